@@ -1,0 +1,1 @@
+"""Read-only discovery of the host's hardware: CPUs, NUMA nodes, GPUs, FPGAs, PCI devices."""

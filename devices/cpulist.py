@@ -1,0 +1,57 @@
+"""The kernel's cpulist format ("0-3,8,10-11"), as used by sysfs, cpusets and isolcpus."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nodeagent.errors import InvalidRequest
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """Parse a kernel cpulist such as ``"0-3,8,10-11"`` (also ``"0-7:2"`` strides).
+
+    An empty string is the empty set. Raises InvalidRequest for anything else malformed.
+    """
+    result: set[int] = set()
+    text = text.strip()
+    if not text:
+        return frozenset()
+    for raw in text.split(","):
+        part = raw.strip()
+        try:
+            if "-" in part:
+                span, _, stride_text = part.partition(":")
+                lo_text, _, hi_text = span.partition("-")
+                lo, hi = int(lo_text), int(hi_text)
+                stride = int(stride_text) if stride_text else 1
+                if lo < 0 or hi < lo or stride < 1:
+                    raise ValueError(part)
+                result.update(range(lo, hi + 1, stride))
+            else:
+                cpu = int(part)
+                if cpu < 0:
+                    raise ValueError(part)
+                result.add(cpu)
+        except ValueError:
+            raise InvalidRequest(
+                f"cannot parse cpulist {text!r}: {part!r} is not a CPU number or range; "
+                "use a form such as '0-3,8,10-11'"
+            ) from None
+    return frozenset(result)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """Format CPU ids as the shortest kernel cpulist (``[0,1,2,3,8] -> "0-3,8"``)."""
+    ordered = sorted(set(cpus))
+    if not ordered:
+        return ""
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for cpu in ordered[1:]:
+        if cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = cpu
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(parts)

@@ -1,0 +1,1 @@
+"""Worker processes: launching them into slots and supervising them."""
