@@ -1,0 +1,183 @@
+"""Which cgroup filesystems this host has (v2 unified, v1, or hybrid) and what we may do with them.
+
+Reads ``/proc/self/mountinfo``, ``/proc/cgroups`` and ``/proc/self/cgroup`` under an injectable proc
+root, plus ``cgroup.controllers`` of the v2 mount under an injectable filesystem root, so tests run
+on fake trees. The parsers are pure functions over text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from nodeagent.errors import CgroupError, translate_os_error
+
+Mode = Literal["v1", "v2", "hybrid", "none"]
+
+#: The v1 controllers the managers drive; other v1 hierarchies (net_cls, name=systemd) are ignored.
+V1_CONTROLLERS = ("cpuset", "cpu", "cpuacct", "memory", "pids", "devices", "freezer", "blkio")
+#: The v2 controllers the managers drive.
+V2_CONTROLLERS = ("cpuset", "cpu", "io", "memory", "pids")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of mountinfo that is a cgroup filesystem."""
+
+    mount_point: str
+    fstype: str  # "cgroup" (v1) or "cgroup2"
+    root: str  # the mount's root inside its hierarchy ("/" unless a container bind-mounted a subtree)
+    super_options: frozenset[str]
+
+
+@dataclass(frozen=True)
+class CgroupHost:
+    """What :func:`detect` found. Paths are real filesystem paths (``fs_root`` already applied)."""
+
+    mode: Mode
+    #: v1 controller -> mount point of its hierarchy (co-mounted controllers share one path).
+    v1_mounts: dict[str, Path] = field(default_factory=dict)
+    v2_mount: Path | None = None
+    #: Controllers the manager can use: v1 controllers (v1/hybrid) or the v2 root's cgroup.controllers.
+    controllers: frozenset[str] = frozenset()
+    #: Controllers listed in the v2 mount's cgroup.controllers (empty in hybrid mode on most hosts).
+    v2_controllers: frozenset[str] = frozenset()
+    #: This process's cgroup in the v2 hierarchy ("/..." as in /proc/self/cgroup), when there is one.
+    own_v2_cgroup: str | None = None
+    #: Whether we may create cgroups (root, or a delegated subtree we own).
+    can_write: bool = False
+    #: True when we are not root but own our v2 cgroup (a delegated subtree, e.g. systemd Delegate=).
+    delegated: bool = False
+
+    def mount_for(self, controller: str) -> Path:
+        """The v1 hierarchy that carries ``controller``."""
+        try:
+            return self.v1_mounts[controller]
+        except KeyError:
+            raise CgroupError(
+                f"the v1 controller {controller!r} is not mounted on this host (mounted: "
+                f"{', '.join(sorted(self.v1_mounts)) or 'none'}); mount it or enable it in the kernel"
+            ) from None
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(text: str) -> str:
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The cgroup and cgroup2 mounts in a mountinfo text (see proc(5))."""
+    mounts: list[Mount] = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        rest = right.split()
+        if len(fields) < 5 or len(rest) < 3 or rest[0] not in ("cgroup", "cgroup2"):
+            continue
+        mounts.append(
+            Mount(
+                mount_point=_unescape(fields[4]),
+                fstype=rest[0],
+                root=_unescape(fields[3]),
+                super_options=frozenset(rest[2].split(",")),
+            )
+        )
+    return mounts
+
+
+def parse_proc_cgroups(text: str) -> frozenset[str]:
+    """The controllers the kernel has enabled, from /proc/cgroups."""
+    enabled: set[str] = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and not line.startswith("#") and parts[3] == "1":
+            enabled.add(parts[0])
+    return frozenset(enabled)
+
+
+def parse_own_v2_cgroup(text: str) -> str | None:
+    """This process's v2 cgroup from /proc/self/cgroup (the ``0::/path`` line)."""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip() or "/"
+    return None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise translate_os_error(f"reading {path} to detect cgroups", err, CgroupError) from err
+
+
+def _under(fs_root: Path, mount_point: str) -> Path:
+    return fs_root / mount_point.lstrip("/")
+
+
+def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> CgroupHost:
+    """Detect the host's cgroup mode, mounts, usable controllers and write access."""
+    mounts = parse_mountinfo(_read(proc_root / "self" / "mountinfo"))
+    enabled = parse_proc_cgroups(_read(proc_root / "cgroups")) if (proc_root / "cgroups").exists() else None
+    v1_mounts: dict[str, Path] = {}
+    v2_mount: Path | None = None
+    for mount in mounts:
+        if mount.fstype == "cgroup2":
+            v2_mount = v2_mount or _under(fs_root, mount.mount_point)
+            continue
+        for controller in V1_CONTROLLERS:
+            if controller in mount.super_options and (enabled is None or controller in enabled):
+                v1_mounts.setdefault(controller, _under(fs_root, mount.mount_point))
+    v2_controllers: frozenset[str] = frozenset()
+    if v2_mount is not None and (v2_mount / "cgroup.controllers").exists():
+        v2_controllers = frozenset(_read(v2_mount / "cgroup.controllers").split())
+    mode: Mode
+    if v1_mounts and v2_mount is not None:
+        mode = "hybrid"
+    elif v1_mounts:
+        mode = "v1"
+    elif v2_mount is not None:
+        mode = "v2"
+    else:
+        mode = "none"
+    own_v2 = None
+    if (proc_root / "self" / "cgroup").exists():
+        own_v2 = parse_own_v2_cgroup(_read(proc_root / "self" / "cgroup"))
+    can_write, delegated = _access(mode, v1_mounts, v2_mount, own_v2)
+    controllers = frozenset(v1_mounts) if mode in ("v1", "hybrid") else v2_controllers
+    return CgroupHost(
+        mode=mode,
+        v1_mounts=v1_mounts,
+        v2_mount=v2_mount,
+        controllers=controllers,
+        v2_controllers=v2_controllers,
+        own_v2_cgroup=own_v2,
+        can_write=can_write,
+        delegated=delegated,
+    )
+
+
+def _access(
+    mode: Mode, v1_mounts: dict[str, Path], v2_mount: Path | None, own_v2: str | None
+) -> tuple[bool, bool]:
+    if mode in ("v1", "hybrid"):
+        return all(os.access(path, os.W_OK) for path in set(v1_mounts.values())), False
+    if v2_mount is None:
+        return False, False
+    if os.access(v2_mount, os.W_OK):
+        return True, False
+    if own_v2 and own_v2 != "/":
+        own_dir = v2_mount / own_v2.lstrip("/")
+        try:
+            owned = own_dir.stat().st_uid == os.geteuid()
+        except OSError:
+            return False, False
+        writable = owned and os.access(own_dir, os.W_OK)
+        return writable, writable
+    return False, False

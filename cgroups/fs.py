@@ -1,0 +1,139 @@
+"""The one gateway to cgroupfs: every read, write, mkdir and rmdir of a cgroup file goes through here.
+
+Each function takes the cgroup mount (``root``) and a path relative to it, and refuses any path that
+would leave the mount: an absolute path, a ``..`` component, or a symlink that resolves elsewhere.
+OSErrors are translated into :class:`~nodeagent.errors.CgroupError` (keeping ``errno``) with the
+file and the value quoted, so a refused write reads like ``writing '0-3' to cpuset/x/cpuset.cpus``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path, PurePosixPath
+
+from nodeagent.errors import CgroupError, translate_os_error
+
+
+def join(*parts: str) -> str:
+    """Join relative cgroup path parts, skipping empty ones (``join("", "cgroup.procs")``)."""
+    return "/".join(part.strip("/") for part in parts if part.strip("/"))
+
+
+def resolve(root: Path, relpath: str | PurePosixPath) -> Path:
+    """Return ``root/relpath``, refusing anything that would not stay under ``root``."""
+    rel = PurePosixPath(relpath)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise CgroupError(
+            f"refusing cgroup path {str(relpath)!r} under {root}: it must be relative and must not "
+            "contain '..'",
+            errno_=errno.EINVAL,
+        )
+    candidate = root / rel
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(candidate)
+    if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+        raise CgroupError(
+            f"refusing cgroup path {str(relpath)!r}: it resolves to {real}, outside the cgroup root "
+            f"{real_root}",
+            errno_=errno.EXDEV,
+        )
+    return candidate
+
+
+def read_file(root: Path, relpath: str | PurePosixPath) -> str:
+    """Read a cgroup file as text (the kernel's whole answer, trailing newline kept)."""
+    path = resolve(root, relpath)
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise translate_os_error(f"reading {path}", err, CgroupError) from err
+
+
+def write_file(root: Path, relpath: str | PurePosixPath, value: str | int) -> None:
+    """Write one value to a cgroup file in a single write(2), as the kernel expects."""
+    path = resolve(root, relpath)
+    data = str(value).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)  # O_TRUNC: as a shell does
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise translate_os_error(f"writing {str(value)!r} to {path}", err, CgroupError) from err
+
+
+def exists(root: Path, relpath: str | PurePosixPath) -> bool:
+    return resolve(root, relpath).exists()
+
+
+def make_dir(root: Path, relpath: str | PurePosixPath) -> bool:
+    """Create one cgroup directory; return False when it was already there (idempotent create)."""
+    path = resolve(root, relpath)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return False
+    except OSError as err:
+        raise translate_os_error(f"creating cgroup {path}", err, CgroupError) from err
+    return True
+
+
+def remove_dir(root: Path, relpath: str | PurePosixPath) -> bool:
+    """Remove one cgroup directory; return False when it was already gone (ENOENT is fine)."""
+    path = resolve(root, relpath)
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise translate_os_error(f"removing cgroup {path}", err, CgroupError) from err
+    return True
+
+
+def child_dirs(root: Path, relpath: str | PurePosixPath) -> list[str]:
+    """Names of the child cgroups of ``relpath`` (sorted); empty when it does not exist."""
+    path = resolve(root, relpath)
+    try:
+        return sorted(entry.name for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise translate_os_error(f"listing cgroup {path}", err, CgroupError) from err
+
+
+def read_int(root: Path, relpath: str | PurePosixPath) -> int | None:
+    """Read a single-number file; ``max`` (v2's "no limit") is None."""
+    text = read_file(root, relpath).strip()
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise CgroupError(f"expected a number in {root / relpath}, found {text!r}") from None
+
+
+def read_keyed(root: Path, relpath: str | PurePosixPath) -> dict[str, int]:
+    """Read a flat keyed file (``key value`` per line, e.g. cpu.stat, memory.events)."""
+    return parse_keyed(read_file(root, relpath))
+
+
+def parse_keyed(text: str) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key and value.strip().lstrip("-").isdigit():
+            result[key] = int(value)
+    return result
+
+
+def read_pids(root: Path, relpath: str | PurePosixPath) -> list[int]:
+    """The pids listed in a cgroup.procs file; a cgroup that is gone has none."""
+    try:
+        text = read_file(root, relpath)
+    except CgroupError as err:
+        if err.errno in (errno.ENOENT, errno.ENODEV):
+            return []
+        raise
+    return [int(line) for line in text.split()]

@@ -1,0 +1,183 @@
+"""The cgroup v2 (unified) manager: one directory, controllers enabled down from the root."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+from nodeagent.cgroups import bpf, fs
+from nodeagent.cgroups.base import CgroupManager, wait_until
+from nodeagent.cgroups.cpulist import format_ids
+from nodeagent.cgroups.detect import V2_CONTROLLERS, CgroupHost
+from nodeagent.cgroups.oom import MemoryEventsWatcher, OomWatcher
+from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources
+from nodeagent.cgroups.rules import DeviceRule
+
+from nodeagent.errors import CgroupError, Unsupported
+
+
+def _limit(value: int) -> str | int:
+    return "max" if value == UNLIMITED else value
+
+
+class V2Manager(CgroupManager):
+    version = "v2"
+
+    def __init__(self, host: CgroupHost, relpath: str) -> None:
+        super().__init__(relpath)
+        if host.v2_mount is None:
+            raise Unsupported("this host has no cgroup2 mount; use the v1 manager")
+        self._mount = host.v2_mount
+        self._wanted = frozenset(V2_CONTROLLERS)
+        # On a delegated subtree, the levels above our own cgroup are not ours to configure.
+        self._configure_from = ""
+        if host.delegated and host.own_v2_cgroup:
+            self._configure_from = host.own_v2_cgroup.strip("/")
+
+    def paths(self) -> dict[str, Path]:
+        return {"unified": fs.resolve(self._mount, self.relpath)}
+
+    def _mounts(self) -> list[Path]:
+        return [self._mount]
+
+    def _rel(self, name: str) -> str:
+        return fs.join(self.relpath, name)
+
+    def _write(self, name: str, value: str | int) -> None:
+        fs.write_file(self._mount, self._rel(name), value)
+
+    def _has_file(self, name: str) -> bool:
+        return fs.exists(self._mount, self._rel(name))
+
+    def _require(self, name: str, why: str) -> None:
+        if not self._has_file(name):
+            raise Unsupported(
+                f"{name} is not available for cgroup {self.relpath}: {why}; check that the controller is "
+                "in the parent's cgroup.subtree_control"
+            )
+
+    def create(self) -> None:
+        parts = PurePosixPath(self.relpath).parts
+        for depth in range(len(parts)):
+            ancestor = "/".join(parts[:depth])
+            if depth:
+                fs.make_dir(self._mount, ancestor)
+            if _is_within(ancestor, self._configure_from):
+                self._enable_controllers(ancestor)
+        fs.make_dir(self._mount, self.relpath)
+
+    def _enable_controllers(self, rel: str) -> None:
+        """Enable what the children need in ``rel``'s subtree_control (only the missing ones)."""
+        available = set(fs.read_file(self._mount, fs.join(rel, "cgroup.controllers")).split())
+        enabled = set(fs.read_file(self._mount, fs.join(rel, "cgroup.subtree_control")).split())
+        for controller in sorted((available & self._wanted) - enabled):
+            fs.write_file(self._mount, fs.join(rel, "cgroup.subtree_control"), f"+{controller}")
+
+    def set(self, resources: Resources) -> None:
+        r = resources
+        if r.cpuset_cpus is not None:
+            self._write("cpuset.cpus", format_ids(r.cpuset_cpus))
+        if r.cpuset_mems is not None:
+            self._write("cpuset.mems", format_ids(r.cpuset_mems))
+        if r.cpu_weight is not None:
+            self._write("cpu.weight", r.cpu_weight)
+        if r.cpu_quota_us is not None or r.cpu_period_us is not None:
+            self._set_cpu_max(r.cpu_quota_us, r.cpu_period_us)
+        if r.cpu_idle is not None:
+            self._require("cpu.idle", "needs kernel 5.15+")
+            self._write("cpu.idle", int(r.cpu_idle))
+        for name, value in (
+            ("memory.high", r.memory_high),
+            ("memory.max", r.memory_max),
+            ("memory.swap.max", r.memory_swap_max),
+            ("pids.max", r.pids_max),
+        ):
+            if value is not None:
+                self._write(name, _limit(value))
+        if r.io_weight is not None:
+            self._set_io_weight(r.io_weight)
+
+    def _set_cpu_max(self, quota: int | None, period: int | None) -> None:
+        current_quota, current_period = fs.read_file(self._mount, self._rel("cpu.max")).split()
+        quota_text = current_quota if quota is None else _limit(quota)
+        self._write("cpu.max", f"{quota_text} {current_period if period is None else period}")
+
+    def _set_io_weight(self, weight: int) -> None:
+        if self._has_file("io.weight"):
+            self._write("io.weight", f"default {weight}")
+        elif self._has_file("io.bfq.weight"):
+            self._write("io.bfq.weight", f"default {min(weight, 1000)}")
+        else:
+            raise Unsupported(
+                f"no io weight for cgroup {self.relpath}: the kernel needs blk-iocost (io.weight) or the bfq "
+                "scheduler (io.bfq.weight), and io in the parent's cgroup.subtree_control"
+            )
+
+    def _events(self) -> dict[str, int]:
+        return fs.read_keyed(self._mount, self._rel("cgroup.events"))
+
+    def freeze(self, timeout: float = 5.0) -> None:
+        self._write("cgroup.freeze", 1)
+        wait_until(lambda: self._events().get("frozen") == 1, timeout, f"cgroup {self.relpath} to freeze")
+
+    def thaw(self) -> None:
+        self._write("cgroup.freeze", 0)
+
+    def kill(self, timeout: float = 5.0) -> None:
+        if not self.exists():
+            return
+        if not self._has_file("cgroup.kill"):  # before kernel 5.14
+            self._kill_by_signal(timeout, can_freeze=self._has_file("cgroup.freeze"))
+            return
+        self._write("cgroup.kill", 1)
+        wait_until(
+            lambda: not self.subtree_pids(), timeout, f"cgroup {self.relpath} to empty after cgroup.kill"
+        )
+
+    def stats(self) -> CgroupStats:
+        cpu = fs.read_keyed(self._mount, self._rel("cpu.stat"))
+        return CgroupStats(
+            cpu_usage_ns=_usec_to_ns(cpu.get("usage_usec")),
+            cpu_periods=cpu.get("nr_periods"),
+            cpu_throttled_periods=cpu.get("nr_throttled"),
+            cpu_throttled_ns=_usec_to_ns(cpu.get("throttled_usec")),
+            memory_current=self._int("memory.current"),
+            memory_peak=self._int("memory.peak"),
+            oom=self.oom_events(),
+            pids_current=self._int("pids.current"),
+        )
+
+    def _int(self, name: str) -> int | None:
+        return fs.read_int(self._mount, self._rel(name)) if self._has_file(name) else None
+
+    def oom_events(self) -> OomEvents:
+        if not self._has_file("memory.events"):
+            return OomEvents(None, None)
+        values = fs.read_keyed(self._mount, self._rel("memory.events"))
+        return OomEvents(oom=values.get("oom", 0), oom_kill=values.get("oom_kill", 0))
+
+    def oom_watcher(self) -> OomWatcher:
+        self._require("memory.events", "the memory controller is not enabled for it")
+        return MemoryEventsWatcher(self._mount, self.relpath)
+
+    def set_devices(self, rules: Iterable[DeviceRule]) -> None:
+        bpf.set_device_filter(fs.resolve(self._mount, self.relpath), rules)
+
+    def delete(self, timeout: float = 5.0) -> None:
+        if self.exists():
+            try:
+                bpf.clear_device_filter(fs.resolve(self._mount, self.relpath))
+            except CgroupError as err:
+                # Without BPF rights there is nothing of ours attached; rmdir releases programs anyway.
+                if err.errno not in (errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.ENOENT):
+                    raise
+        super().delete(timeout)
+
+
+def _usec_to_ns(value: int | None) -> int | None:
+    return None if value is None else value * 1000
+
+
+def _is_within(path: str, top: str) -> bool:
+    return not top or path == top or path.startswith(top + "/")

@@ -1,0 +1,79 @@
+"""The cgroupfs gateway: paths stay under the root, errors quote file and value."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+from nodeagent.cgroups import fs
+
+from nodeagent.errors import CgroupError
+
+
+@pytest.mark.parametrize(
+    "relpath",
+    [
+        pytest.param("../etc/passwd", id="dotdot-first"),
+        pytest.param("slot/../../x", id="dotdot-inside"),
+        pytest.param("/etc/passwd", id="absolute"),
+    ],
+)
+def test_write_outside_the_root_is_refused(tmp_path: Path, relpath: str) -> None:
+    root = tmp_path / "cg"
+    root.mkdir()
+    with pytest.raises(CgroupError, match="refusing"):
+        fs.write_file(root, relpath, "1")
+    assert not (tmp_path / "x").exists()
+
+
+def test_symlink_escape_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    outside = tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "slot").symlink_to(outside)
+    with pytest.raises(CgroupError, match="outside the cgroup root") as caught:
+        fs.write_file(root, "slot/memory.max", "1")
+    assert caught.value.errno == errno.EXDEV
+    assert not (outside / "memory.max").exists()
+
+
+def test_write_error_quotes_value_and_file_and_keeps_errno(tmp_path: Path) -> None:
+    with pytest.raises(CgroupError) as caught:
+        fs.write_file(tmp_path, "missing/cpu.max", "50000 100000")
+    assert caught.value.errno == errno.ENOENT
+    assert "'50000 100000'" in str(caught.value)
+    assert "missing/cpu.max" in str(caught.value)
+
+
+def test_make_and_remove_dir_are_idempotent(tmp_path: Path) -> None:
+    assert fs.make_dir(tmp_path, "a") is True
+    assert fs.make_dir(tmp_path, "a") is False
+    assert fs.remove_dir(tmp_path, "a") is True
+    assert fs.remove_dir(tmp_path, "a") is False
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("max\n", None, id="max"),
+        pytest.param("42\n", 42, id="number"),
+    ],
+)
+def test_read_int(tmp_path: Path, text: str, expected: int | None) -> None:
+    (tmp_path / "pids.max").write_text(text)
+    assert fs.read_int(tmp_path, "pids.max") == expected
+
+
+def test_read_keyed_and_pids(tmp_path: Path) -> None:
+    (tmp_path / "memory.events").write_text("low 0\nhigh 3\nmax 7\noom 2\noom_kill 1\n")
+    (tmp_path / "cgroup.procs").write_text("10\n11\n")
+    assert fs.read_keyed(tmp_path, "memory.events")["oom_kill"] == 1
+    assert fs.read_pids(tmp_path, "cgroup.procs") == [10, 11]
+    assert fs.read_pids(tmp_path, "gone/cgroup.procs") == []
+
+
+def test_join_skips_empty_parts() -> None:
+    assert fs.join("", "cgroup.procs") == "cgroup.procs"
+    assert fs.join("a/b/", "c") == "a/b/c"
