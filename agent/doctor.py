@@ -1,0 +1,462 @@
+"""Host readiness checks behind ``nodeagent doctor``.
+
+Each check is a function of :class:`HostRoots` (where /proc, /sys, /dev and the cgroup mounts are)
+and returns a :class:`Check`: OK, WARN or FAIL, what was found, and what to do. Only what the
+agent cannot work without FAILs: usable and writable cpuset, memory and pids controllers, as root
+or on a delegated subtree. Everything else is a WARN, because the agent runs without it and only
+loses one kind of isolation. Probes that touch the kernel beyond reading files (loading a BPF
+program, NVML) are injectable so tests run on fake trees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from nodeagent.cgroups.detect import CgroupHost, detect
+from nodeagent.devices.gpu import discover_gpus
+from nodeagent.devices.pci import discover_fpgas, list_pci_devices
+from nodeagent.devices.topology import Fpga, Gpu
+from nodeagent.isolation.resctrl import Resctrl
+
+from nodeagent.errors import NodeAgentError
+
+Status = Literal["OK", "WARN", "FAIL"]
+REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")
+NVIDIA_VENDOR = "0x10de"
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    hint: str = ""
+
+
+def _default_bpf_probe() -> str | None:
+    """Load a trivial cgroup device program and close it; None when that works, else why not."""
+    try:
+        from nodeagent.cgroups.bpf import assemble, load_program  # noqa: PLC0415 - ctypes, only here
+
+        fd = load_program(assemble([]))
+    except (NodeAgentError, OSError) as err:
+        return str(err)
+    os.close(fd)
+    return None
+
+
+@dataclass(frozen=True)
+class HostRoots:
+    """Where the host's interfaces are, plus the probes that go beyond reading files."""
+
+    proc: Path = Path("/proc")
+    sys: Path = Path("/sys")
+    dev: Path = Path("/dev")
+    fs: Path = Path("/")  # prefix for mount points read from mountinfo
+    euid: int = field(default_factory=os.geteuid)
+    bpf_probe: Callable[[], str | None] = _default_bpf_probe
+    which: Callable[[str], str | None] = shutil.which
+    gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
+    fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
+
+    @classmethod
+    def under(cls, base: Path, **kwargs: object) -> HostRoots:
+        """A host whose whole filesystem is a tree under ``base`` (for fake hosts in tests)."""
+        return cls(proc=base / "proc", sys=base / "sys", dev=base / "dev", fs=base, **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# cgroups: the required part
+
+
+def _cgroups(roots: HostRoots) -> CgroupHost | Check:
+    try:
+        return detect(proc_root=roots.proc, fs_root=roots.fs)
+    except NodeAgentError as err:
+        return Check("cgroup mode", "FAIL", f"cannot detect cgroups: {err}", "mount /proc and /sys/fs/cgroup")
+
+
+def check_privileges(roots: HostRoots, host: CgroupHost) -> Check:
+    if roots.euid == 0:
+        return Check("privileges", "OK", "running as root")
+    if host.delegated:
+        return Check(
+            "privileges", "OK", f"uid {roots.euid} on a delegated cgroup subtree {host.own_v2_cgroup}"
+        )
+    return Check(
+        "privileges",
+        "FAIL",
+        f"uid {roots.euid} is not root and owns no delegated cgroup subtree",
+        "run as root, or under systemd with Delegate=yes (cgroup v2)",
+    )
+
+
+def check_cgroup_mode(host: CgroupHost) -> Check:
+    v2 = str(host.v2_mount) if host.v2_mount else "none"
+    if host.mode == "none":
+        return Check(
+            "cgroup mode", "FAIL", "no cgroup filesystem is mounted", "mount cgroup2 on /sys/fs/cgroup"
+        )
+    if host.mode == "v2":
+        return Check("cgroup mode", "OK", f"v2 (unified) at {v2}")
+    v2_note = f"; cgroup2 at {v2} with controllers: {_names(host.v2_controllers)}" if host.v2_mount else ""
+    return Check(
+        "cgroup mode",
+        "WARN",
+        f"{host.mode}: v1 controllers {_names(host.v1_mounts)}{v2_note}",
+        "boot with systemd.unified_cgroup_hierarchy=1 for cgroup v2 (memory.high, cpu.idle groups, "
+        "per-slot PSI); v1 works with fewer controls",
+    )
+
+
+def check_controllers(host: CgroupHost) -> Check:
+    missing = [c for c in REQUIRED_CONTROLLERS if c not in host.controllers]
+    optional = [c for c in ("cpu", "io" if host.mode == "v2" else "blkio") if c not in host.controllers]
+    if missing:
+        return Check(
+            "cgroup controllers",
+            "FAIL",
+            f"missing required {_names(missing)} (usable: {_names(host.controllers)})",
+            "enable them in the kernel and mount them (v1) or list them in cgroup.subtree_control (v2)",
+        )
+    if not host.can_write:
+        return Check(
+            "cgroup controllers",
+            "FAIL",
+            f"{_names(REQUIRED_CONTROLLERS)} present but not writable",
+            "run as root or on a delegated subtree",
+        )
+    detail = f"usable and writable: {_names(host.controllers)}"
+    if optional:
+        return Check(
+            "cgroup controllers",
+            "WARN",
+            detail + f"; missing {_names(optional)}",
+            "enable them for CPU/IO weights",
+        )
+    return Check("cgroup controllers", "OK", detail)
+
+
+def check_cpuset(host: CgroupHost) -> Check:
+    if "cpuset" not in host.controllers:
+        return Check("cpuset", "FAIL", "no cpuset controller", "enable the cpuset controller")
+    if host.mode in ("v1", "hybrid"):
+        directory = host.v1_mounts["cpuset"]
+        cpus_file, prefix = directory / "cpuset.cpus", "cpuset."
+    else:
+        assert host.v2_mount is not None
+        directory = host.v2_mount
+        cpus_file, prefix = directory / "cpuset.cpus.effective", ""
+    cpus = _read(cpus_file)
+    if cpus is None or not cpus.strip():
+        return Check("cpuset", "FAIL", f"{cpus_file} is missing or empty", "mount the cpuset controller")
+    if not os.access(directory, os.W_OK):
+        return Check(
+            "cpuset", "FAIL", f"{directory} is not writable", "run as root or on a delegated subtree"
+        )
+    exclusive = " (cpuset.cpu_exclusive available)" if (directory / f"{prefix}cpu_exclusive").exists() else ""
+    return Check("cpuset", "OK", f"writable at {directory}, CPUs {cpus.strip()}{exclusive}")
+
+
+# ---------------------------------------------------------------------------------------------
+# isolation extras: WARN when missing
+
+
+def check_device_filter(roots: HostRoots, host: CgroupHost) -> Check:
+    name = "device access control"
+    v1_devices = "devices" in host.v1_mounts
+    if host.v2_mount is None:
+        if v1_devices:
+            return Check(name, "OK", "v1 devices controller (no cgroup2 mount, so no eBPF filter)")
+        return Check(
+            name, "WARN", "no v1 devices controller and no cgroup2 mount", "mount the devices controller"
+        )
+    refusal = _bpf_refusal(roots)
+    if refusal is None:
+        via = (
+            "v1 devices controller; eBPF device programs also load" if v1_devices else "eBPF device programs"
+        )
+        return Check(name, "OK", via)
+    if v1_devices:
+        return Check(name, "OK", f"v1 devices controller (eBPF device programs do not load: {refusal})")
+    return Check(
+        name,
+        "WARN",
+        f"cgroup v2 needs eBPF device programs, which do not load here: {refusal}",
+        "run as root with CONFIG_CGROUP_BPF; slots then see every device",
+    )
+
+
+def _bpf_refusal(roots: HostRoots) -> str | None:
+    disabled = _read(roots.proc / "sys/kernel/unprivileged_bpf_disabled")
+    if roots.euid != 0 and disabled is not None and disabled.strip() != "0":
+        return "not root and kernel.unprivileged_bpf_disabled is set"
+    return roots.bpf_probe()
+
+
+def check_network_namespaces(roots: HostRoots) -> Check:
+    name = "network namespaces"
+    if not (roots.proc / "self/ns/net").exists():
+        return Check(name, "WARN", "no /proc/self/ns/net", "use a kernel with CONFIG_NET_NS")
+    caps = _effective_caps(roots)
+    lacking = [
+        n
+        for n, bit in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN), ("CAP_NET_ADMIN", CAP_NET_ADMIN))
+        if not caps >> bit & 1
+    ]
+    if lacking:
+        return Check(
+            name, "WARN", f"missing {', '.join(lacking)}", "run as root to give slots their own netns"
+        )
+    ip = roots.which("ip")
+    if ip is None:
+        return Check(name, "WARN", "netns available but the ip command is missing", "install iproute2")
+    return Check(name, "OK", f"available, with {ip}")
+
+
+def _effective_caps(roots: HostRoots) -> int:
+    for line in (_read(roots.proc / "self/status") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key == "CapEff":
+            return int(value.strip(), 16)
+    return 0
+
+
+def check_gpus(roots: HostRoots) -> tuple[Check, Check]:
+    """The GPU check and the MIG check."""
+    try:
+        on_bus = [
+            d
+            for d in list_pci_devices(roots.sys)
+            if d.vendor == NVIDIA_VENDOR and d.class_code.startswith("0x03")
+        ]
+        gpus = roots.gpus(roots.sys)
+    except NodeAgentError as err:
+        failed = Check("GPUs", "WARN", f"GPU discovery failed: {err}", "check the NVIDIA driver and NVML")
+        return failed, Check("MIG", "WARN", "unknown: GPU discovery failed")
+    if not gpus and not on_bus:
+        return Check("GPUs", "OK", "no NVIDIA GPUs"), Check("MIG", "OK", "no GPUs to partition")
+    if not gpus:
+        gpu = Check(
+            "GPUs",
+            "WARN",
+            f"{len(on_bus)} NVIDIA GPU(s) on the PCI bus but NVML reports none",
+            "install the NVIDIA driver (NVML, libnvidia-ml.so) and load the nvidia module",
+        )
+        return gpu, Check("MIG", "WARN", "unknown: NVML is not available")
+    return _gpu_check(gpus), _mig_check(gpus)
+
+
+def _gpu_check(gpus: Sequence[Gpu]) -> Check:
+    names = ", ".join(f"{g.index}: {g.name or 'unknown'}" for g in gpus)
+    sick = [g for g in gpus if g.healthy is False]
+    if sick:
+        events = "; ".join(f"GPU {g.index}: {', '.join(g.health_events) or 'unhealthy'}" for g in sick)
+        return Check(
+            "GPUs", "WARN", f"{len(gpus)} GPU(s) ({names}); unhealthy: {events}", "drain and reset them"
+        )
+    return Check("GPUs", "OK", f"{len(gpus)} GPU(s): {names}")
+
+
+def _mig_check(gpus: Sequence[Gpu]) -> Check:
+    enabled = [g for g in gpus if g.mig is not None and g.mig.enabled]
+    capable = [g for g in gpus if g.mig is not None]
+    if enabled:
+        parts = ", ".join(
+            f"GPU {g.index}: {len(g.mig.instances) if g.mig else 0} instance(s)" for g in enabled
+        )
+        return Check("MIG", "OK", f"enabled on {parts}")
+    if capable:
+        return Check(
+            "MIG",
+            "OK",
+            f"supported but off on {len(capable)} GPU(s)",
+            "nvidia-smi -mig 1 to slice them for slots",
+        )
+    return Check("MIG", "OK", "no MIG-capable GPUs")
+
+
+def check_fpgas(roots: HostRoots) -> Check:
+    try:
+        fpgas = roots.fpgas(roots.sys, roots.dev)
+    except NodeAgentError as err:
+        return Check("FPGAs", "WARN", f"FPGA discovery failed: {err}", "check sysfs and the FPGA driver")
+    if not fpgas:
+        return Check("FPGAs", "OK", "no FPGAs")
+    unbound = [f.pci_bus_id for f in fpgas if not f.device_nodes]
+    if unbound:
+        return Check(
+            "FPGAs",
+            "WARN",
+            f"{len(fpgas)} FPGA(s); without device nodes: {', '.join(unbound)}",
+            "bind their driver",
+        )
+    return Check("FPGAs", "OK", f"{len(fpgas)} FPGA(s): {', '.join(f.pci_bus_id for f in fpgas)}")
+
+
+def check_resctrl(roots: HostRoots) -> Check:
+    name = "cache/memory-bandwidth isolation"
+    try:
+        support = Resctrl(root=roots.sys / "fs/resctrl", proc_root=roots.proc).detect()
+    except NodeAgentError as err:
+        return Check(name, "WARN", f"cannot read resctrl: {err}")
+    if not support.mounted:
+        hint = "mount -t resctrl resctrl /sys/fs/resctrl" if "not mounted" in support.reason else ""
+        return Check(name, "WARN", support.reason, hint)
+    parts = []
+    if support.l3 is not None:
+        parts.append(f"L3 CAT {support.l3.ways} ways on domains {list(support.l3_domains)}")
+    if support.mb is not None:
+        parts.append(f"MBA ({support.mb.unit}) on domains {list(support.mb_domains)}")
+    if not parts:
+        return Check(name, "WARN", support.reason)
+    return Check(name, "OK", f"{', '.join(parts)}; {support.num_closids} CLOSIDs", support.reason)
+
+
+def check_psi(roots: HostRoots) -> Check:
+    if _read(roots.proc / "pressure/cpu") is None:
+        return Check(
+            "PSI",
+            "WARN",
+            "/proc/pressure/cpu is not readable",
+            "boot with psi=1 (CONFIG_PSI); best-effort suppression then falls back to CPU usage",
+        )
+    return Check("PSI", "OK", "pressure stall information available")
+
+
+def check_isolcpus(roots: HostRoots) -> Check:
+    isolated = _read(roots.sys / "devices/system/cpu/isolated")
+    if isolated is None:
+        return Check("isolcpus", "WARN", "cannot read /sys/devices/system/cpu/isolated")
+    if not isolated.strip():
+        return Check(
+            "isolcpus",
+            "OK",
+            "no isolated CPUs",
+            "optional: isolcpus= / nohz_full= keep kernel noise off the CPUs of exclusive slots",
+        )
+    return Check(
+        "isolcpus",
+        "OK",
+        f"isolated CPUs {isolated.strip()}",
+        "the scheduler does not balance load on them: keep them for exclusive slots, out of the shared pool",
+    )
+
+
+def check_numa_balancing(roots: HostRoots) -> Check:
+    value = _read(roots.proc / "sys/kernel/numa_balancing")
+    if value is None:
+        return Check("NUMA balancing", "OK", "not present (single NUMA node or kernel without it)")
+    if value.strip() == "0":
+        return Check("NUMA balancing", "OK", "off")
+    return Check(
+        "NUMA balancing",
+        "WARN",
+        f"on (kernel.numa_balancing = {value.strip()}): automatic NUMA balancing can migrate memory "
+        "of pinned workers",
+        "sysctl -w kernel.numa_balancing=0",
+    )
+
+
+def check_swap(roots: HostRoots) -> Check:
+    text = _read(roots.proc / "swaps")
+    if text is None:
+        return Check("swap", "WARN", "cannot read /proc/swaps")
+    devices = [line.split() for line in text.splitlines()[1:] if line.strip()]
+    if not devices:
+        return Check("swap", "OK", "off")
+    total_kib = sum(int(d[2]) for d in devices if len(d) > 2 and d[2].isdigit())
+    return Check(
+        "swap",
+        "WARN",
+        f"on: {len(devices)} device(s), {total_kib / (1 << 20):.1f} GiB; a page-in in a request path "
+        "is a latency spike",
+        "swapoff -a, or keep slots off swap with memory.swap.max=0 (cgroup v2)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# running and reporting
+
+
+def run_checks(roots: HostRoots | None = None) -> list[Check]:
+    """Every check, in the order people read them."""
+    roots = roots or HostRoots()
+    host = _cgroups(roots)
+    checks: list[Check] = []
+    if isinstance(host, Check):
+        checks.append(host)
+    else:
+        checks += [
+            _guarded("privileges", lambda: check_privileges(roots, host), required=True),
+            _guarded("cgroup mode", lambda: check_cgroup_mode(host), required=True),
+            _guarded("cgroup controllers", lambda: check_controllers(host), required=True),
+            _guarded("cpuset", lambda: check_cpuset(host), required=True),
+            _guarded("device access control", lambda: check_device_filter(roots, host)),
+        ]
+    checks.append(_guarded("network namespaces", lambda: check_network_namespaces(roots)))
+    try:
+        checks += check_gpus(roots)
+    except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing
+        checks.append(Check("GPUs", "WARN", f"check crashed: {err!r}"))
+    for name, fn in (
+        ("FPGAs", check_fpgas),
+        ("cache/memory-bandwidth isolation", check_resctrl),
+        ("PSI", check_psi),
+        ("isolcpus", check_isolcpus),
+        ("NUMA balancing", check_numa_balancing),
+        ("swap", check_swap),
+    ):
+        checks.append(_guarded(name, lambda fn=fn: fn(roots)))  # type: ignore[misc]
+    return checks
+
+
+def _guarded(name: str, fn: Callable[[], Check], *, required: bool = False) -> Check:
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing
+        return Check(name, "FAIL" if required else "WARN", f"check crashed: {err!r}")
+
+
+def overall(checks: Sequence[Check]) -> Status:
+    statuses = {c.status for c in checks}
+    return "FAIL" if "FAIL" in statuses else "WARN" if "WARN" in statuses else "OK"
+
+
+def exit_code(checks: Sequence[Check]) -> int:
+    """Non-zero when a required capability is missing."""
+    return 1 if overall(checks) == "FAIL" else 0
+
+
+def to_json(checks: Sequence[Check]) -> str:
+    return json.dumps({"status": overall(checks), "checks": [asdict(c) for c in checks]}, indent=2)
+
+
+def to_table(checks: Sequence[Check]) -> str:
+    width = max((len(c.name) for c in checks), default=0)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:<4}  {c.name:<{width}}  {c.detail}")
+        if c.hint and c.status != "OK":
+            lines.append(f"{'':<4}  {'':<{width}}  -> {c.hint}")
+    lines.append(f"overall: {overall(checks)}")
+    return "\n".join(lines)
+
+
+def _names(items: object) -> str:
+    names = sorted(items) if isinstance(items, (set, frozenset, dict, list, tuple)) else []
+    return ", ".join(str(n) for n in names) or "none"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None

@@ -1,0 +1,322 @@
+"""nodeagent doctor on fake hosts (trees under tmp_path) and once on this host."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from nodeagent.agent.cmd_doctor import command
+from nodeagent.agent.doctor import (
+    Check,
+    HostRoots,
+    exit_code,
+    overall,
+    run_checks,
+    to_json,
+    to_table,
+)
+from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState
+
+ALL_CAPS = "000001ffffffffff"
+STATUS = "Name:\tnodeagent\nUid:\t0\t0\t0\t0\nCapEff:\t{caps}\n"
+PROC_COMMON = {
+    "self/ns/net": "",
+    "self/status": STATUS.format(caps=ALL_CAPS),
+    "pressure/cpu": "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+    "sys/kernel/numa_balancing": "0\n",
+    "sys/kernel/unprivileged_bpf_disabled": "2\n",
+    "swaps": "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n",
+    "cpuinfo": "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2\n\n",
+}
+SYS_COMMON = {"sys/devices/system/cpu/isolated": "\n"}
+
+HEALTHY_V2 = {
+    **{f"proc/{k}": v for k, v in PROC_COMMON.items()},
+    **SYS_COMMON,
+    "proc/self/mountinfo": "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
+    "proc/cgroups": "#subsys_name\thierarchy\tnum_cgroups\tenabled\ncpuset\t0\t1\t1\ncpu\t0\t1\t1\n"
+    "memory\t0\t1\t1\npids\t0\t1\t1\nio\t0\t1\t1\n",
+    "proc/self/cgroup": "0::/system.slice/nodeagent.service\n",
+    "sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory hugetlb pids rdma misc\n",
+    "sys/fs/cgroup/cgroup.subtree_control": "cpuset cpu io memory pids\n",
+    "sys/fs/cgroup/cpuset.cpus.effective": "0-15\n",
+    "sys/fs/cgroup/cpuset.mems.effective": "0-1\n",
+    # resctrl mounted on an RDT host
+    "sys/fs/resctrl/info/L3/cbm_mask": "7ff\n",
+    "sys/fs/resctrl/info/L3/min_cbm_bits": "1\n",
+    "sys/fs/resctrl/info/L3/num_closids": "16\n",
+    "sys/fs/resctrl/info/L3/shareable_bits": "0\n",
+    "sys/fs/resctrl/info/MB/min_bandwidth": "10\n",
+    "sys/fs/resctrl/info/MB/bandwidth_gran": "10\n",
+    "sys/fs/resctrl/info/MB/num_closids": "8\n",
+    "sys/fs/resctrl/schemata": "L3:0=7ff;1=7ff\nMB:0=100;1=100\n",
+}
+
+_V1 = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids")
+# The shape of this host: v1 controllers, an empty cgroup2 at /sys/fs/cgroup/unified.
+HYBRID = {
+    **{f"proc/{k}": v for k, v in PROC_COMMON.items()},
+    **SYS_COMMON,
+    "proc/self/mountinfo": "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    + "".join(
+        f"{32 + i} 31 0:{29 + i} / /sys/fs/cgroup/{c} rw,relatime - cgroup cgroup rw,{c}\n"
+        for i, c in enumerate(_V1)
+    )
+    + "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n",
+    "proc/cgroups": "#subsys_name\thierarchy\tnum_cgroups\tenabled\n"
+    + "".join(f"{c}\t{i + 1}\t1\t1\n" for i, c in enumerate(_V1))
+    + "hugetlb\t0\t1\t1\n",
+    "proc/self/cgroup": "8:pids:/\n3:cpuset:/\n0::/\n",
+    "sys/fs/cgroup/cpuset/cpuset.cpus": "0-1\n",
+    "sys/fs/cgroup/cpuset/cpuset.mems": "0\n",
+    "sys/fs/cgroup/unified/cgroup.controllers": "hugetlb\n",
+    **{f"sys/fs/cgroup/{c}/tasks": "1\n" for c in _V1},
+}
+
+# A host with nothing: no cgroups, no PSI, not root, swap on, NUMA balancing on.
+NOTHING = {
+    "proc/self/mountinfo": "22 1 0:21 / /proc rw - proc proc rw\n",
+    "proc/self/status": STATUS.format(caps="0000000000000000"),
+    "proc/sys/kernel/numa_balancing": "1\n",
+    "proc/swaps": "Filename\tType\tSize\tUsed\tPriority\n/swapfile file\t4194300\t0\t-2\n",
+    "proc/cpuinfo": "processor\t: 0\nflags\t\t: fpu\n\n",
+}
+
+
+def write_tree(base: Path, files: dict[str, str]) -> Path:
+    for rel, content in files.items():
+        path = base / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return base
+
+
+def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRoots:
+    base = write_tree(tmp_path / "host", files)
+    defaults: dict[str, object] = {
+        "euid": 0,
+        "bpf_probe": lambda: None,
+        "which": lambda name: f"/usr/sbin/{name}",
+        "gpus": lambda sys_root: (),
+        "fpgas": lambda sys_root, dev_root: (),
+    }
+    return HostRoots.under(base, **{**defaults, **kwargs})
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {c.name: c for c in checks}
+
+
+def statuses(checks: list[Check]) -> dict[str, str]:
+    return {c.name: c.status for c in checks}
+
+
+def test_healthy_v2_host(tmp_path: Path) -> None:
+    checks = run_checks(fake_host(tmp_path, HEALTHY_V2))
+    assert statuses(checks) == dict.fromkeys(
+        [
+            "privileges",
+            "cgroup mode",
+            "cgroup controllers",
+            "cpuset",
+            "device access control",
+            "network namespaces",
+            "GPUs",
+            "MIG",
+            "FPGAs",
+            "cache/memory-bandwidth isolation",
+            "PSI",
+            "isolcpus",
+            "NUMA balancing",
+            "swap",
+        ],
+        "OK",
+    )
+    found = by_name(checks)
+    assert found["cgroup mode"].detail.startswith("v2")
+    assert found["device access control"].detail == "eBPF device programs"
+    assert "L3 CAT 11 ways on domains [0, 1]" in found["cache/memory-bandwidth isolation"].detail
+    assert "8 CLOSIDs" in found["cache/memory-bandwidth isolation"].detail
+    assert (overall(checks), exit_code(checks)) == ("OK", 0)
+
+
+def test_hybrid_host_like_this_one(tmp_path: Path) -> None:
+    checks = run_checks(fake_host(tmp_path, HYBRID))
+    found = by_name(checks)
+    assert found["cgroup mode"].status == "WARN"
+    assert found["cgroup mode"].detail.startswith("hybrid")
+    assert "hugetlb" in found["cgroup mode"].detail
+    assert found["cgroup controllers"].status == "OK"
+    assert found["cpuset"].status == "OK"
+    assert "CPUs 0-1" in found["cpuset"].detail
+    assert found["device access control"].detail.startswith("v1 devices controller")
+    assert "the CPU has no RDT" in found["cache/memory-bandwidth isolation"].detail
+    assert (overall(checks), exit_code(checks)) == ("WARN", 0)
+
+
+def test_host_with_nothing_fails(tmp_path: Path) -> None:
+    checks = run_checks(fake_host(tmp_path, NOTHING, euid=1000, which=lambda name: None))
+    found = by_name(checks)
+    assert found["cgroup mode"].status == "FAIL"
+    assert found["privileges"].status == "FAIL"
+    assert found["cgroup controllers"].status == "FAIL"
+    assert "missing required cpuset, memory, pids" in found["cgroup controllers"].detail
+    assert found["network namespaces"].status == "WARN"
+    assert found["PSI"].status == "WARN"
+    assert found["swap"].status == "WARN"
+    assert "1 device(s), 4.0 GiB" in found["swap"].detail
+    assert found["NUMA balancing"].status == "WARN"
+    assert "migrate memory of pinned workers" in found["NUMA balancing"].detail
+    assert found["isolcpus"].status == "WARN"
+    assert (overall(checks), exit_code(checks)) == ("FAIL", 1)
+
+
+@pytest.mark.parametrize(
+    ("change", "check", "status", "detail"),
+    [
+        pytest.param(
+            {"sys/fs/cgroup/cgroup.controllers": "cpu io memory\n"},
+            "cgroup controllers", "FAIL", "missing required cpuset, pids", id="v2-without-cpuset-pids",
+        ),
+        pytest.param(
+            {"sys/fs/cgroup/cgroup.controllers": "cpuset memory pids\n"},
+            "cgroup controllers", "WARN", "missing cpu, io", id="v2-without-cpu-io",
+        ),
+        pytest.param(
+            {"sys/fs/cgroup/cpuset.cpus.effective": "\n"},
+            "cpuset", "FAIL", "missing or empty", id="empty-cpuset",
+        ),
+        pytest.param(
+            {"sys/devices/system/cpu/isolated": "2-7\n"},
+            "isolcpus", "OK", "isolated CPUs 2-7", id="isolcpus-set",
+        ),
+        pytest.param(
+            {"proc/self/status": STATUS.format(caps="0000000000001000")},
+            "network namespaces", "WARN", "missing CAP_SYS_ADMIN", id="netns-without-sys-admin",
+        ),
+        pytest.param(
+            {"sys/fs/resctrl/info/L3/cbm_mask": None, "sys/fs/resctrl/info/MB/min_bandwidth": None},
+            "cache/memory-bandwidth isolation", "WARN", "cannot read resctrl", id="resctrl-broken-info",
+        ),
+    ],
+)  # fmt: skip
+def test_single_findings(tmp_path: Path, change: dict, check: str, status: str, detail: str) -> None:
+    files = {k: v for k, v in {**HEALTHY_V2, **change}.items() if v is not None}
+    if None in change.values():
+        # A directory that lost its files: keep the directory so the resource still looks present.
+        for rel in (k for k, v in change.items() if v is None):
+            (tmp_path / "host" / rel).parent.mkdir(parents=True, exist_ok=True)
+    found = by_name(run_checks(fake_host(tmp_path, files)))[check]
+    assert (found.status, detail in found.detail) == (status, True), found
+
+
+def test_resctrl_not_mounted_on_rdt_cpu(tmp_path: Path) -> None:
+    files = {k: v for k, v in HEALTHY_V2.items() if not k.startswith("sys/fs/resctrl/")}
+    files["proc/cpuinfo"] = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu rdt_a cat_l3 mba\n\n"
+    files["proc/filesystems"] = "nodev\tresctrl\n"
+    found = by_name(run_checks(fake_host(tmp_path, files)))["cache/memory-bandwidth isolation"]
+    assert found.status == "WARN"
+    assert "not mounted" in found.detail
+    assert found.hint == "mount -t resctrl resctrl /sys/fs/resctrl"
+
+
+def test_ebpf_refused_on_pure_v2_is_a_warning(tmp_path: Path) -> None:
+    roots = fake_host(tmp_path, HEALTHY_V2, bpf_probe=lambda: "loading a program: Operation not permitted")
+    found = by_name(run_checks(roots))["device access control"]
+    assert found.status == "WARN"
+    assert "Operation not permitted" in found.detail
+
+
+def test_unprivileged_bpf_disabled_is_reported_without_probing(tmp_path: Path) -> None:
+    def probe() -> str | None:
+        raise AssertionError("must not load a program as non-root when the sysctl forbids it")
+
+    roots = fake_host(tmp_path, HEALTHY_V2, euid=1000, bpf_probe=probe)
+    found = by_name(run_checks(roots))["device access control"]
+    assert (found.status, "unprivileged_bpf_disabled" in found.detail) == ("WARN", True)
+
+
+def _gpu(index: int, mig: MigState | None = None, healthy: bool | None = True) -> Gpu:
+    return Gpu(
+        index, f"GPU-{index}", "NVIDIA A100", f"0000:{index + 1:02x}:00.0", 0, 40 << 30, mig, healthy=healthy
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpus", "gpu_status", "mig_status", "mig_detail"),
+    [
+        pytest.param((_gpu(0),), "OK", "OK", "no MIG-capable", id="one-gpu-no-mig"),
+        pytest.param((_gpu(0, MigState(False)),), "OK", "OK", "supported but off", id="mig-off"),
+        pytest.param(
+            (_gpu(0, MigState(True, (MigInstance(1, 0, "1g.10gb", 0, 1, "MIG-x", 10 << 30),))),),
+            "OK", "OK", "GPU 0: 1 instance(s)", id="mig-on",
+        ),
+        pytest.param((_gpu(0, healthy=False),), "WARN", "OK", "no MIG-capable", id="unhealthy"),
+    ],
+)  # fmt: skip
+def test_gpu_and_mig(tmp_path: Path, gpus: tuple, gpu_status: str, mig_status: str, mig_detail: str) -> None:
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2, gpus=lambda sys_root: gpus)))
+    assert found["GPUs"].status == gpu_status
+    assert (found["MIG"].status, mig_detail in found["MIG"].detail) == (mig_status, True)
+
+
+def test_nvidia_on_bus_without_driver(tmp_path: Path) -> None:
+    device = "sys/bus/pci/devices/0000:3b:00.0"
+    files = {
+        **HEALTHY_V2,
+        f"{device}/vendor": "0x10de\n",
+        f"{device}/device": "0x20b0\n",
+        f"{device}/class": "0x030200\n",
+        f"{device}/numa_node": "0\n",
+    }
+    found = by_name(run_checks(fake_host(tmp_path, files)))
+    assert found["GPUs"].status == "WARN"
+    assert "on the PCI bus but NVML reports none" in found["GPUs"].detail
+    assert found["MIG"].status == "WARN"
+
+
+def test_fpga_without_device_nodes(tmp_path: Path) -> None:
+    fpgas = (Fpga("fpga0", "0x10ee", "0x5005", "0000:af:00.0", 1, ()),)
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2, fpgas=lambda s, d: fpgas)))["FPGAs"]
+    assert (found.status, "0000:af:00.0" in found.detail) == ("WARN", True)
+
+
+def test_a_crashing_check_is_reported_not_raised(tmp_path: Path) -> None:
+    def broken(sys_root: Path, dev_root: Path) -> tuple:
+        raise RuntimeError("boom")
+
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2, fpgas=broken)))["FPGAs"]
+    assert (found.status, "boom" in found.detail) == ("WARN", True)
+
+
+def test_reports() -> None:
+    checks = [Check("a", "OK", "fine"), Check("b", "WARN", "meh", "do x"), Check("c", "OK", "ok", "optional")]
+    table = to_table(checks)
+    assert table.splitlines() == [
+        "OK    a  fine",
+        "WARN  b  meh",
+        "         -> do x",
+        "OK    c  ok",
+        "overall: WARN",
+    ]
+    data = json.loads(to_json(checks))
+    assert data["status"] == "WARN"
+    assert data["checks"][1] == {"name": "b", "status": "WARN", "detail": "meh", "hint": "do x"}
+
+
+@pytest.mark.kernel
+def test_this_host_reports_hybrid() -> None:
+    if not Path("/sys/fs/cgroup/unified").is_dir() or not Path("/sys/fs/cgroup/cpuset").is_dir():
+        pytest.skip("this test describes the hybrid development host")
+    result = CliRunner().invoke(command, ["--json"])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    data = json.loads(result.output)
+    found = {c["name"]: c for c in data["checks"]}
+    assert found["cgroup mode"]["detail"].startswith("hybrid")
+    assert data["status"] in ("OK", "WARN", "FAIL")
+    assert result.exit_code == (1 if data["status"] == "FAIL" else 0)
+    table = CliRunner().invoke(command, [])
+    assert "cgroup mode" in table.output
+    assert table.output.rstrip().endswith(f"overall: {data['status']}")
