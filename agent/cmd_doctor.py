@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import click
+
 from nodeagent.agent.doctor import exit_code, run_checks, to_json, to_table
 
 

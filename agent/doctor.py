@@ -22,9 +22,8 @@ from nodeagent.cgroups.detect import CgroupHost, detect
 from nodeagent.devices.gpu import discover_gpus
 from nodeagent.devices.pci import discover_fpgas, list_pci_devices
 from nodeagent.devices.topology import Fpga, Gpu
-from nodeagent.isolation.resctrl import Resctrl
-
 from nodeagent.errors import NodeAgentError
+from nodeagent.isolation.resctrl import Resctrl
 
 Status = Literal["OK", "WARN", "FAIL"]
 REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")

@@ -15,7 +15,6 @@ from nodeagent.cgroups import fs
 from nodeagent.cgroups.oom import OomWatcher
 from nodeagent.cgroups.resources import CgroupStats, OomEvents, Resources
 from nodeagent.cgroups.rules import DeviceRule
-
 from nodeagent.errors import CgroupError
 
 

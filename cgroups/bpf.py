@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from nodeagent.cgroups.rules import DeviceRule, normalize
-
 from nodeagent.errors import CgroupError, os_error_message
 
 # bpf(2) commands, program/attach types and flags from include/uapi/linux/bpf.h.

@@ -15,7 +15,6 @@ from typing import Literal
 from nodeagent.cgroups.base import CgroupManager
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.manager import open_manager
-
 from nodeagent.errors import InvalidRequest
 
 QosClass = Literal["guaranteed", "burstable", "best-effort"]

@@ -10,7 +10,6 @@ from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.rules import DeviceRule
 from nodeagent.cgroups.v1 import V1Manager
 from nodeagent.cgroups.v2 import V2Manager
-
 from nodeagent.errors import Unsupported
 
 

@@ -19,7 +19,6 @@ from types import TracebackType
 
 from nodeagent.cgroups import fs
 from nodeagent.cgroups.resources import OomEvents
-
 from nodeagent.errors import CgroupError, translate_os_error
 
 

@@ -13,7 +13,6 @@ from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.oom import EventfdOomWatcher, OomWatcher
 from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources, weight_to_shares
 from nodeagent.cgroups.rules import DeviceRule, normalize, parse_devices_list, plan_v1
-
 from nodeagent.errors import CgroupError, Unsupported
 
 #: memory.limit_in_bytes reads back as this page-rounded LONG_MAX when unlimited.

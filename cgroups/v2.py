@@ -13,7 +13,6 @@ from nodeagent.cgroups.detect import V2_CONTROLLERS, CgroupHost
 from nodeagent.cgroups.oom import MemoryEventsWatcher, OomWatcher
 from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources
 from nodeagent.cgroups.rules import DeviceRule
-
 from nodeagent.errors import CgroupError, Unsupported
 
 

@@ -38,7 +38,6 @@ from pathlib import Path
 
 from nodeagent.devices.sysfs import Sysfs
 from nodeagent.devices.topology import Cpu, NumaNode
-
 from nodeagent.errors import DiscoveryError
 
 CPU_DIR = "devices/system/cpu"

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from nodeagent.devices.topology import Gpu, MigInstance, MigState
-
 from nodeagent.errors import DiscoveryError
 
 GpuStatus = Literal["ok", "no_driver", "no_gpus", "error"]

@@ -21,7 +21,6 @@ from typing import Protocol
 
 from nodeagent.devices.gpu import LOST, GpuEvent, GpuUnavailable
 from nodeagent.devices.topology import Gpu
-
 from nodeagent.errors import DiscoveryError
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from types import TracebackType
 from typing import Any, Literal, get_args
 
 import pyudev
-from nodeagent.devices.pci import is_fpga_function, pci_parent
 
+from nodeagent.devices.pci import is_fpga_function, pci_parent
 from nodeagent.errors import Conflict, DiscoveryError, os_error_message
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from nodeagent.devices.topology import Fpga, Sriov
-
 from nodeagent.errors import DiscoveryError, InvalidRequest, NotFound, os_error_message
 
 PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")

@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 from nodeagent.devices.cpulist import parse_cpulist
-
 from nodeagent.errors import DiscoveryError, InvalidRequest, os_error_message
 
 

@@ -40,7 +40,6 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from nodeagent.devices.cpulist import format_cpulist
-
 from nodeagent.errors import (
     InvalidRequest,
     KernelError,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from nodeagent.agent.cmd_doctor import command
 from nodeagent.agent.doctor import (
     Check,

@@ -6,8 +6,8 @@ import errno
 import struct
 
 import pytest
-from nodeagent.cgroups import CgroupManager, DeviceRule, apply_device_rules, bpf
 
+from nodeagent.cgroups import CgroupManager, DeviceRule, apply_device_rules, bpf
 from nodeagent.errors import CgroupError
 
 from .test_v1_real import _open_results, _rule

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from nodeagent.cgroups import detect
 from nodeagent.cgroups.detect import parse_mountinfo, parse_own_v2_cgroup
 

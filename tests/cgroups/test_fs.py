@@ -6,8 +6,8 @@ import errno
 from pathlib import Path
 
 import pytest
-from nodeagent.cgroups import fs
 
+from nodeagent.cgroups import fs
 from nodeagent.errors import CgroupError
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from nodeagent.cgroups import Hierarchy, list_owned
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.hierarchy import validate_name
-
 from nodeagent.errors import InvalidRequest
 
 from .conftest import write_tree

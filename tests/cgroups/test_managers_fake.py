@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from nodeagent.cgroups import UNLIMITED, CgroupHost, DeviceRule, Resources, open_manager
 from nodeagent.cgroups.resources import shares_to_weight, weight_to_shares
-
 from nodeagent.errors import CgroupError, InvalidRequest, Unsupported
 
 from .conftest import write_tree

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from nodeagent.cgroups.rules import ALLOW_ALL, DeviceRule, normalize, parse_devices_list, plan_v1
 
+from nodeagent.cgroups.rules import ALLOW_ALL, DeviceRule, normalize, parse_devices_list, plan_v1
 from nodeagent.errors import InvalidRequest
 
 NULL = DeviceRule("c", 1, 3, "rwm")

@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+
 from nodeagent.cgroups import (
     CgroupHost,
     CgroupManager,
@@ -20,7 +21,6 @@ from nodeagent.cgroups import (
     open_manager,
     remove_subtree,
 )
-
 from nodeagent.errors import CgroupError
 
 from .conftest import unique_name, wait_for

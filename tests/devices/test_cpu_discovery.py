@@ -15,6 +15,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+
 from nodeagent.devices.cpu import CPU_DIR, NODE_DIR, CpuTopology, cpu_model, discover_cpu_topology
 from nodeagent.devices.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
@@ -29,7 +30,6 @@ from nodeagent.devices.topology import (
     topology_from_dict,
     topology_to_dict,
 )
-
 from nodeagent.errors import DiscoveryError
 from tests.devices import sysfs_trees as trees
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
+
 from nodeagent.devices.gpu import (
     GpuInventory,
     NvmlBackend,
@@ -15,7 +16,6 @@ from nodeagent.devices.gpu import (
     normalise_pci_bus_id,
 )
 from nodeagent.devices.topology import Gpu, MigInstance
-
 from nodeagent.errors import DiscoveryError
 from tests.devices.gpu_trees import (
     cap_minor,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pynvml
 import pytest
+
 from nodeagent.devices.gpu import GpuEvent, NvmlBackend
 from nodeagent.devices.gpu_health import (
     DEFAULT_IGNORED_XIDS,
@@ -15,7 +16,6 @@ from nodeagent.devices.gpu_health import (
     GpuHealthThread,
 )
 from nodeagent.devices.topology import Gpu
-
 from nodeagent.errors import DiscoveryError
 from tests.fakes import fake_nvml
 from tests.fakes.fake_nvml import FakeHost, FakeNvml

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from nodeagent.devices.hotplug import DeviceEvent, HotplugMonitor, default_source, event_from_device
 
+from nodeagent.devices.hotplug import DeviceEvent, HotplugMonitor, default_source, event_from_device
 from nodeagent.errors import Conflict, DiscoveryError
 
 # How long a test waits for the kernel's uevents before declaring them missing (a bound for

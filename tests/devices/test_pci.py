@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from nodeagent.devices.pci import (
     PciDevice,
     device_node_info,
@@ -20,7 +21,6 @@ from nodeagent.devices.pci import (
     pci_parent,
 )
 from nodeagent.devices.topology import Fpga, Sriov
-
 from nodeagent.errors import DiscoveryError, InvalidRequest, NotFound
 from tests.devices import pci_trees as trees
 from tests.devices.pci_trees import Link, Tree, write_tree

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError
 from nodeagent.isolation.network import (
     IFNAMSIZ,
     IpBatchBackend,
@@ -34,8 +36,6 @@ from nodeagent.isolation.network import (
     tc_commands,
     validate_slot_id,
 )
-
-from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError
 
 Net = ipaddress.IPv4Network
 Addr = ipaddress.IPv4Address

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from nodeagent.errors import InvalidRequest, KernelError
 from nodeagent.isolation.qos import (
     QosDefaults,
     cpu_idle_supported,
@@ -19,8 +21,6 @@ from nodeagent.isolation.qos import (
     shares_to_weight,
     suppressed,
 )
-
-from nodeagent.errors import InvalidRequest, KernelError
 
 GiB = 1 << 30
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
+from nodeagent.errors import InvalidRequest, NotFound, PlacementError, Unsupported
 from nodeagent.isolation.resctrl import (
     CacheInfo,
     MbaInfo,
@@ -18,8 +20,6 @@ from nodeagent.isolation.resctrl import (
     plan_exclusive_mask,
     ways_for_share,
 )
-
-from nodeagent.errors import InvalidRequest, NotFound, PlacementError, Unsupported
 
 INTEL_FLAGS = "fpu vme de pse tsc msr pae cx8 rdt_a cat_l3 cdp_l3 cqm_llc cqm_occup_llc mba avx512f"
 PLAIN_FLAGS = "fpu vme de pse tsc msr pae cx8 sse sse2 avx2"

@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from nodeagent.cgroups import CgroupHost, CgroupManager, Resources, apply_device_rules, detect, open_manager
 
+from nodeagent.cgroups import CgroupHost, CgroupManager, Resources, apply_device_rules, detect, open_manager
 from nodeagent.errors import Unsupported
 
 from ..conftest import unique_name, wait_for
