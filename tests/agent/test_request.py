@@ -1,0 +1,182 @@
+"""SlotRequest parsing: what is accepted, and the message for each refusal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nodeagent.agent.request import (
+    NetworkRequest,
+    format_quantity,
+    parse_quantity,
+    parse_slot_request,
+    request_to_dict,
+)
+from nodeagent.errors import InvalidRequest
+
+
+def req(qos: str = "guaranteed", **resources: Any) -> dict[str, Any]:
+    return {"name": "slot-a", "qos": qos, "resources": resources or {"cpus": 1}}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(0, 0, id="zero"),
+        pytest.param(4096, 4096, id="plain-int"),
+        pytest.param("4Gi", 4 * 2**30, id="gibibytes"),
+        pytest.param("512Mi", 512 * 2**20, id="mebibytes"),
+        pytest.param("1G", 10**9, id="decimal-gigabytes"),
+        pytest.param("1.5Gi", 3 * 2**29, id="fractional-binary"),
+        pytest.param("100", 100, id="digits-string"),
+        pytest.param("2k", 2000, id="decimal-kilo"),
+    ],
+)
+def test_parse_quantity_accepts(text: Any, expected: int) -> None:
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        pytest.param("4GB", "memory '4GB' is not a quantity", id="unknown-unit"),
+        pytest.param("-1", "is not a quantity", id="negative-string"),
+        pytest.param(-1, "out of range", id="negative-int"),
+        pytest.param("0.5", "not a whole number of bytes", id="fraction-of-a-byte"),
+        pytest.param("99999Ei", "out of range", id="huge"),
+        pytest.param(True, "must be a byte count", id="bool"),
+        pytest.param(1.5, "must be a byte count", id="float"),
+        pytest.param("", "is not a quantity", id="empty"),
+    ],
+)
+def test_parse_quantity_refuses(value: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        parse_quantity(value)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(4 * 2**30, "4Gi"), (512 * 2**20, "512Mi"), (1000, "1000"), (0, "0"), (3 * 2**29, "1536Mi")],
+)
+def test_format_quantity_is_exact(nbytes: int, text: str) -> None:
+    assert format_quantity(nbytes) == text
+    assert parse_quantity(text) == nbytes
+
+
+def test_full_request_parses() -> None:
+    r = parse_slot_request(
+        {
+            "name": "llm-a.v2_x",
+            "qos": "guaranteed",
+            "resources": {
+                "cpus": 4,
+                "memory": "2Gi",
+                "gpus": 1,
+                "fpgas": 1,
+                "devices": ["/dev/fuse"],
+                "numa": "single",
+                "network": {"bandwidth_mbit": 1000},
+                "l3": 0.5,
+            },
+            "worker": {"command": ["/bin/true"]},
+        }
+    )
+    res = r.resources
+    assert (r.name, r.qos, res.whole_cpus, res.memory_bytes) == ("llm-a.v2_x", "guaranteed", 4, 2 * 2**30)
+    assert (res.gpus, res.fpgas, res.devices, res.numa) == (1, 1, ("/dev/fuse",), "single")
+    assert res.network == NetworkRequest(bandwidth_mbit=1000)
+    assert res.l3_share == 0.5
+    assert r.worker == {"command": ["/bin/true"]}
+
+
+@pytest.mark.parametrize(
+    ("resources", "cpu_millis"),
+    [
+        pytest.param({"cpus": 1.5}, 1500, id="fractional"),
+        pytest.param({"cpus": "250m"}, 250, id="millis-string"),
+        pytest.param({"cpus": 0}, 0, id="zero-quota"),
+        pytest.param({}, 0, id="no-cpus"),
+    ],
+)
+def test_burstable_takes_fractional_cpus(resources: dict[str, Any], cpu_millis: int) -> None:
+    r = parse_slot_request({"name": "b", "qos": "burstable", "resources": resources})
+    assert r.resources.cpu_millis == cpu_millis
+
+
+def test_defaults() -> None:
+    r = parse_slot_request({"name": "a", "qos": "best-effort"})
+    assert r.resources.numa == "prefer"
+    assert r.resources.memory_bytes == 0
+    assert r.worker is None
+
+
+def test_profile_alone_means_one_instance() -> None:
+    r = parse_slot_request(req(cpus=1, gpu_profile="1g.10gb"))
+    assert (r.resources.gpus, r.resources.gpu_profile) == (1, "1g.10gb")
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        pytest.param({"qos": "guaranteed"}, "name is missing", id="no-name"),
+        pytest.param({"name": "Bad Name", "qos": "guaranteed"}, "is not a safe identifier", id="name-spaces"),
+        pytest.param(
+            {"name": "../etc", "qos": "guaranteed"}, "is not a safe identifier", id="name-traversal"
+        ),
+        pytest.param({"name": "a" * 64, "qos": "guaranteed"}, "is not a safe identifier", id="name-too-long"),
+        pytest.param({"name": "a", "qos": "gold"}, "qos must be one of guaranteed | burstable", id="bad-qos"),
+        pytest.param({"name": "a"}, "qos must be one of", id="no-qos"),
+        pytest.param(
+            {"name": "a", "qos": "guaranteed", "colour": 1}, "unknown field colour", id="unknown-top"
+        ),
+        pytest.param(req(cpus=1, gpu=1), "unknown field resources.gpu; known fields", id="unknown-resource"),
+        pytest.param(req(cpus=1.5), "guaranteed slots get exclusive CPUs", id="guaranteed-fraction"),
+        pytest.param(req(cpus=0), "ask for a whole number of at least 1", id="guaranteed-zero"),
+        pytest.param(req(cpus=-2), "out of range", id="negative-cpus"),
+        pytest.param(req(cpus=float("nan")), "must be a finite number", id="nan-cpus"),
+        pytest.param(req(cpus=float("inf")), "must be a finite number", id="inf-cpus"),
+        pytest.param(req(cpus=10**9), "out of range", id="huge-cpus"),
+        pytest.param(req(cpus=True), "must be a number", id="bool-cpus"),
+        pytest.param(req("burstable", cpus=0.0001), "more than three decimals", id="too-fine"),
+        pytest.param(req(cpus=1, memory="lots"), "memory 'lots' is not a quantity", id="bad-memory"),
+        pytest.param(req(cpus=1, gpus=-1), "resources.gpus must be a whole number", id="negative-gpus"),
+        pytest.param(req(cpus=1, gpus=1.0), "resources.gpus must be a whole number", id="float-gpus"),
+        pytest.param(req(cpus=1, gpu_share=1.5), "gpu_share 1.5 is out of range", id="share-above-one"),
+        pytest.param(req(cpus=1, gpu_share=0.5, gpus=1), "cannot be combined", id="share-and-gpus"),
+        pytest.param(req(cpus=1, numa="strict"), "resources.numa must be one of single", id="bad-numa"),
+        pytest.param(
+            req(cpus=1, devices=["/etc/passwd"]), r"devices\[0\] must be a device path", id="not-dev"
+        ),
+        pytest.param(
+            req(cpus=1, devices=["/dev/../etc"]), r"devices\[0\] must be a device path", id="dev-dots"
+        ),
+        pytest.param(req(cpus=1, devices=["/dev/a", "/dev/a"]), "lists a path twice", id="dev-twice"),
+        pytest.param(req(cpus=1, network={"bandwidth_mbit": 0}), "bandwidth_mbit must be", id="zero-bw"),
+        pytest.param(
+            req(cpus=1, network={"burst": 1}), "unknown field resources.network.burst", id="net-key"
+        ),
+        pytest.param(req(cpus=1, l3=2), "share of the L3 cache", id="l3-above-one"),
+        pytest.param(
+            {"name": "a", "qos": "burstable", "worker": "run"}, "worker must be an object", id="worker"
+        ),
+        pytest.param([], "request must be an object", id="not-an-object"),
+    ],
+)
+def test_refusals_name_the_field(obj: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        parse_slot_request(obj)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pytest.param(req(cpus=4, memory="2Gi", gpus=2, numa="single"), id="guaranteed-gpus"),
+        pytest.param(req("burstable", cpus=0.25, gpu_share=0.5), id="burstable-share"),
+        pytest.param(req(cpus=1, gpu_profile="1g.10gb", devices=["/dev/fuse"]), id="mig-device"),
+        pytest.param(req(cpus=2, network={"bandwidth_mbit": 100}, l3=0.25), id="network-l3"),
+    ],
+)
+def test_round_trip_through_json(obj: dict[str, Any]) -> None:
+    parsed = parse_slot_request(obj)
+    assert parse_slot_request(request_to_dict(parsed)) == parsed
