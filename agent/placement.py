@@ -885,6 +885,9 @@ class _Planner:
     # ------------------------------------------------------------------ the decision
 
     def plan(self) -> Assignment:
+        # Host-wide first: memory not bound to a node (numa "none") is held somewhere, so per-node
+        # figures alone would let a slot spanning nodes promise memory the host no longer has.
+        self._check_host_memory()
         if self.request.guaranteed:
             nodes = self._guaranteed_nodes()
             cpus_by_node = self._take_cpus(nodes)
@@ -902,8 +905,6 @@ class _Planner:
             order = list(nodes)
             memory = self._take_memory(order) if self.demand.memory else {}
             quota = self.res.cpu_millis
-        if not memory:
-            self._check_host_memory()
         device_order = order + ([] if self.res.numa == "single" else self._others_by_distance(order))
         gpus, mig, shares, fpgas = self._take_devices(device_order)
         devices = self._named_devices()

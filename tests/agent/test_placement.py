@@ -205,6 +205,17 @@ def test_numa_none_does_not_bind_memory() -> None:
     assert a.numa_nodes == (0,)
 
 
+def test_unbound_memory_counts_against_slots_that_span_nodes() -> None:
+    # Found by the churn property test: a numa "none" slot holds memory on no particular node, so a
+    # later slot spanning both nodes must not be given the same memory again.
+    topo = synthetic_topology(2, 1, 2, 1, memory_per_numa=16 * GIB)
+    opts = PlacementOptions(reserved_cpus=frozenset())
+    first = plan(topo, Allocated(), request(name="a", cpus=1, memory="20Gi", numa="none"), opts)
+    held = Allocated().add(first)
+    with pytest.raises(PlacementError, match="free"):
+        plan(topo, held, request(name="b", cpus=1, memory="20Gi", numa="prefer"), opts)
+
+
 def test_reasons_explain_the_choice() -> None:
     a = place("single-socket-ht", cpus=3)
     assert "rounded 3 CPUs up to whole cores (2 threads per core)" in a.reasons
