@@ -12,8 +12,15 @@ from collections.abc import Generator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 IN_CI = bool(os.environ.get("CI"))
+
+# In CI, property tests draw the same examples every run, so a landing is never decided by luck;
+# locally they explore new random examples each time.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile("ci" if IN_CI else "dev")
 _MUST_RUN_MARKERS = ("root", "kernel", "cgroup2vm")
 
 
