@@ -1,0 +1,112 @@
+"""Turning a WorkerSpec and a slot into a LaunchRequest: names resolved, environment wired, files laid out.
+
+The agent's side of a launch. Layout of a worker's directory (one per slot)::
+
+    <worker_dir>/slot.json     the slot description (NODEAGENT_SLOT_FILE)
+    <worker_dir>/run/          the keeper's state file and its own diagnostics
+    <worker_dir>/logs/         stdout.log, stderr.log and their rotations
+    <worker_dir>/tmp/          the worker's private TMPDIR
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
+from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.spec import WorkerSpec
+
+
+@dataclass(frozen=True)
+class SlotBinding:
+    """Where the slot lives in the kernel: what runtime needs from isolation's results."""
+
+    cgroup_procs: tuple[str, ...]
+    netns: str | None = None
+    oom_events: str | None = None
+    #: Bind memory with set_mempolicy too (cpuset.mems already confines it; this makes it strict
+    #: for tasks that later leave the cpuset's control, and for v2 without the cpuset controller).
+    bind_memory: bool = False
+
+
+@dataclass(frozen=True)
+class Identity:
+    uid: int | None
+    gid: int | None
+    groups: tuple[int, ...] | None
+    home: str
+
+
+def _group_id(value: str | int) -> int:
+    if isinstance(value, int):
+        return value
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise InvalidRequest(
+            f"worker spec: group {value!r} does not exist on this host; create it or give a gid"
+        ) from None
+
+
+def resolve_identity(spec: WorkerSpec) -> Identity:
+    """Numeric ids for the spec's user, group and supplementary groups (a user's primary group by default)."""
+    if spec.user is None:
+        gid = _group_id(spec.group) if spec.group is not None else None
+        groups = tuple(_group_id(g) for g in spec.supplementary_groups) if spec.supplementary_groups else None
+        return Identity(None, gid, groups, "/")
+    try:
+        entry = pwd.getpwuid(spec.user) if isinstance(spec.user, int) else pwd.getpwnam(spec.user)
+    except KeyError:
+        if isinstance(spec.user, int):
+            gid = _group_id(spec.group) if spec.group is not None else spec.user
+            return Identity(spec.user, gid, tuple(_group_id(g) for g in spec.supplementary_groups), "/")
+        raise InvalidRequest(
+            f"worker spec: user {spec.user!r} does not exist on this host; create it or give a uid"
+        ) from None
+    gid = _group_id(spec.group) if spec.group is not None else entry.pw_gid
+    return Identity(
+        entry.pw_uid, gid, tuple(_group_id(g) for g in spec.supplementary_groups), entry.pw_dir or "/"
+    )
+
+
+def _private_dir(path: Path, identity: Identity) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if identity.uid is not None:
+            os.chown(path, identity.uid, identity.gid if identity.gid is not None else -1)
+    except OSError as err:
+        raise translate_os_error(f"prepare worker directory {path}", err, KernelError) from err
+
+
+def build_launch_request(
+    spec: WorkerSpec, slot: SlotDescription, binding: SlotBinding, worker_dir: Path
+) -> LaunchRequest:
+    """Lay out ``worker_dir``, write the slot file and return the request the spawner carries out."""
+    identity = resolve_identity(spec)
+    slot_file = write_slot_file(slot, worker_dir / "slot.json")
+    tmpdir = worker_dir / "tmp"
+    _private_dir(tmpdir, identity)
+    env = worker_environment(slot, slot_file, spec.env, home=identity.home, tmpdir=str(tmpdir))
+    return LaunchRequest(
+        launch_id=slot.slot_id,
+        argv=spec.command,
+        env=env,
+        run_dir=str(worker_dir / "run"),
+        log_dir=str(worker_dir / "logs"),
+        cwd=spec.workdir,
+        cgroup_procs=binding.cgroup_procs,
+        netns=binding.netns,
+        cpus=slot.cpus or None,
+        mems=slot.numa_nodes if binding.bind_memory and slot.numa_nodes else None,
+        uid=identity.uid,
+        gid=identity.gid,
+        groups=identity.groups,
+        rlimits=dict(spec.rlimits),
+        umask=spec.umask,
+        oom_events=binding.oom_events,
+    )

@@ -1,0 +1,392 @@
+"""Supervising one slot's worker: restart policy with backoff, probes, graceful stop, exit causes.
+
+The supervisor is a state machine driven by ``tick()``; it does no waiting of its own, so the
+agent's loop (or a test with a fake clock) decides when time passes::
+
+    starting ──ready──> running <──ready / not ready──> unready
+       │                   │                               │
+       └──── exit / liveness failure / stop() ─────────────┴──> stopping ──exit──> stopped
+    exit ──policy says restart──> backoff (crashloop after repeated failures) ──delay──> starting
+    exit ──policy says no──> exited (success) | failed
+
+A worker is ``running`` only while its readiness probe passes. Stopping sends SIGTERM, waits the
+grace period, then kills everything in the slot's cgroup; after any exit, whatever the worker left
+behind in the slot (forked helpers) is killed too, so a restart starts from an empty slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import http.client
+import itertools
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from nodeagent.errors import WorkerError
+from nodeagent.runtime.process import (
+    ExitRecord,
+    ProcessIdentity,
+    WorkerProcess,
+    WorkerState,
+    open_verified_pidfd,
+)
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.spawner import Spawner
+from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
+
+#: How long kill_all may take after the grace period (or after an exit, for leftovers).
+KILL_TIMEOUT_SECONDS = 5.0
+
+
+class SlotCgroup(Protocol):
+    """What supervision needs from the slot's cgroup (the cgroups package provides the real one)."""
+
+    def kill_all(self, timeout: float) -> None: ...
+
+    def oom_kill_count(self) -> int: ...
+
+    def pids(self) -> list[int]: ...
+
+
+class WorkerHandle(Protocol):
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self, now: float | None = None) -> ExitRecord | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Launcher(Protocol):
+    def launch(self, req: LaunchRequest) -> WorkerHandle: ...
+
+
+ProbeCheck = Callable[[Probe, str], bool]
+
+
+class Phase(enum.StrEnum):
+    STARTING = "starting"
+    RUNNING = "running"
+    UNREADY = "unready"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    CRASHLOOP = "crashloop"
+    EXITED = "exited"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+_ALIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.UNREADY, Phase.STOPPING})
+_WAITING = frozenset({Phase.BACKOFF, Phase.CRASHLOOP})
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential restart delay, as Kubernetes does it (its defaults are 10 s doubling to 300 s)."""
+
+    initial_seconds: float = 1.0
+    factor: float = 2.0
+    max_seconds: float = 300.0
+    #: A worker that stayed up this long has its failure count reset.
+    reset_after_seconds: float = 600.0
+    #: This many failures in a row is a crash loop (restarts continue, with the same backoff).
+    crashloop_after: int = 3
+
+    def delay(self, consecutive_failures: int) -> float:
+        steps = max(0, consecutive_failures - 1)
+        return float(min(self.max_seconds, self.initial_seconds * self.factor**steps))
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    phase: Phase
+    pid: int | None
+    restarts: int
+    consecutive_failures: int
+    last_exit: ExitRecord | None
+    next_restart_in: float | None
+    message: str
+
+
+class ProbeTracker:
+    """Consecutive successes and failures of one probe, and when it is next due."""
+
+    def __init__(self, probe: Probe, now: float, *, passing: bool) -> None:
+        self.probe = probe
+        self.next_due = now + probe.initial_delay_seconds
+        self.passing = passing
+        self._successes = 0
+        self._failures = 0
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_due
+
+    def record(self, ok: bool, now: float) -> None:
+        self.next_due = now + self.probe.period_seconds
+        if ok:
+            self._successes += 1
+            self._failures = 0
+            if self._successes >= self.probe.success_threshold:
+                self.passing = True
+        else:
+            self._failures += 1
+            self._successes = 0
+            if self._failures >= self.probe.failure_threshold:
+                self.passing = False
+
+
+def check_probe(probe: Probe, host: str) -> bool:
+    """Run one probe for real: HTTP 2xx/3xx, a TCP connect, or an exec that exits 0."""
+    try:
+        if probe.kind is ProbeKind.HTTP:
+            conn = http.client.HTTPConnection(host, probe.port, timeout=probe.timeout_seconds)
+            try:
+                conn.request("GET", probe.path)
+                return 200 <= conn.getresponse().status < 400
+            finally:
+                conn.close()
+        if probe.kind is ProbeKind.TCP:
+            with socket.create_connection((host, probe.port or 0), timeout=probe.timeout_seconds):
+                return True
+        completed = subprocess.run(
+            list(probe.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=probe.timeout_seconds,
+            check=False,
+        )
+    except (OSError, http.client.HTTPException, subprocess.TimeoutExpired):
+        return False
+    return completed.returncode == 0
+
+
+class Supervisor:
+    """Keeps one slot's worker alive according to its spec."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        template: LaunchRequest,
+        launcher: Launcher,
+        cgroup: SlotCgroup,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        check: ProbeCheck = check_probe,
+        probe_host: str = "127.0.0.1",
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.spec = spec
+        self._template = template
+        self._launcher = launcher
+        self._cgroup = cgroup
+        self._clock = clock
+        self._check = check
+        self._probe_host = probe_host
+        self._backoff = backoff or Backoff()
+        self._launch_numbers = itertools.count(1)
+        self.phase = Phase.STOPPED
+        self._handle: WorkerHandle | None = None
+        self._readiness: ProbeTracker | None = None
+        self._liveness: ProbeTracker | None = None
+        self._launched_at = 0.0
+        self._oom_at_launch = 0
+        self._stop_deadline: float | None = None
+        self._stop_requested = False
+        self._killed_for = ""
+        self._next_restart_at: float | None = None
+        self.restarts = 0
+        self.consecutive_failures = 0
+        self.last_exit: ExitRecord | None = None
+        self.message = "not started"
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.phase in _ALIVE:
+            return
+        self._stop_requested = False
+        self._launch(self._clock())
+
+    def stop(self) -> None:
+        """Begin a graceful stop; ``tick()`` finishes it. A waiting restart is cancelled."""
+        self._stop_requested = True
+        if self.phase in _WAITING or self.phase in (Phase.EXITED, Phase.FAILED):
+            self._set(Phase.STOPPED, "stopped on request")
+            self._next_restart_at = None
+        elif self.phase in _ALIVE and self.phase is not Phase.STOPPING:
+            self._begin_stop(self._clock(), "stop requested")
+
+    def resume(self, handle: WorkerHandle, launched_at: float | None = None) -> None:
+        """Take over a worker found again after an agent restart (see adopt.py)."""
+        self._handle = handle
+        self._stop_requested = False
+        now = self._clock()
+        self._launched_at = now if launched_at is None else launched_at
+        self._oom_at_launch = self._cgroup.oom_kill_count()
+        self._arm_probes(now)
+        self._set(Phase.STARTING, f"re-adopted pid {handle.pid}")
+
+    def resume_exited(self, record: ExitRecord) -> None:
+        """An adopted worker that ended while the agent was away: apply the restart policy now."""
+        self._handle = None
+        self._after_exit(record, self._clock())
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def tick(self) -> WorkerStatus:
+        now = self._clock()
+        if self.phase in _ALIVE and self._handle is not None:
+            record = self._handle.poll()
+            if record is not None:
+                self._after_exit(record, now)
+            elif self.phase is Phase.STOPPING:
+                self._escalate_stop(now)
+            else:
+                self._run_probes(now)
+        elif self.phase in _WAITING and self._next_restart_at is not None and now >= self._next_restart_at:
+            self._launch(now)
+        return self.status()
+
+    def status(self) -> WorkerStatus:
+        wait = None
+        if self._next_restart_at is not None and self.phase in _WAITING:
+            wait = max(0.0, self._next_restart_at - self._clock())
+        return WorkerStatus(
+            phase=self.phase,
+            pid=self._handle.pid if self._handle is not None and self.phase in _ALIVE else None,
+            restarts=self.restarts,
+            consecutive_failures=self.consecutive_failures,
+            last_exit=self.last_exit,
+            next_restart_in=wait,
+            message=self.message,
+        )
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def _set(self, phase: Phase, message: str) -> None:
+        self.phase = phase
+        self.message = message
+
+    def _launch(self, now: float) -> None:
+        req = dataclasses.replace(
+            self._template, launch_id=f"{self._template.launch_id}-{next(self._launch_numbers)}"
+        )
+        self._oom_at_launch = self._cgroup.oom_kill_count()
+        self._killed_for = ""
+        self._stop_deadline = None
+        self._next_restart_at = None
+        try:
+            self._handle = self._launcher.launch(req)
+        except WorkerError as err:
+            self._handle = None
+            self._after_failure(now, f"launch failed: {err}")
+            return
+        self._launched_at = now
+        self._arm_probes(now)
+        if self._readiness is None:
+            self._set(Phase.RUNNING, f"pid {self._handle.pid} running (no readiness probe)")
+        else:
+            self._set(Phase.STARTING, f"pid {self._handle.pid} started; waiting for readiness")
+
+    def _arm_probes(self, now: float) -> None:
+        spec = self.spec
+        self._readiness = ProbeTracker(spec.readiness, now, passing=False) if spec.readiness else None
+        self._liveness = ProbeTracker(spec.liveness, now, passing=True) if spec.liveness else None
+
+    def _run_probes(self, now: float) -> None:
+        if self._liveness is not None and self._liveness.due(now):
+            self._liveness.record(self._check(self._liveness.probe, self._probe_host), now)
+            if not self._liveness.passing:
+                self._killed_for = "liveness probe failed"
+                self._begin_stop(now, f"liveness probe failed {self._liveness.probe.failure_threshold} times")
+                return
+        if self._readiness is not None and self._readiness.due(now):
+            self._readiness.record(self._check(self._readiness.probe, self._probe_host), now)
+            pid = self._handle.pid if self._handle else None
+            if self._readiness.passing and self.phase is not Phase.RUNNING:
+                self._set(Phase.RUNNING, f"pid {pid} ready")
+            elif not self._readiness.passing and self.phase is Phase.RUNNING:
+                self._set(Phase.UNREADY, f"pid {pid} failed its readiness probe")
+
+    def _begin_stop(self, now: float, why: str) -> None:
+        self._set(Phase.STOPPING, why)
+        self._stop_deadline = now + self.spec.stop_grace_seconds
+        if self._handle is not None:
+            self._handle.send_signal(signal.SIGTERM)
+
+    def _escalate_stop(self, now: float) -> None:
+        if self._stop_deadline is not None and now >= self._stop_deadline:
+            self._stop_deadline = None
+            self.message = (
+                f"grace period of {self.spec.stop_grace_seconds:g}s over; killing the slot's processes"
+            )
+            self._cgroup.kill_all(KILL_TIMEOUT_SECONDS)
+
+    def _after_exit(self, record: ExitRecord, now: float) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._handle = None
+        if (
+            not record.oom_killed
+            and record.signal == signal.SIGKILL
+            and self._cgroup.oom_kill_count() > self._oom_at_launch
+        ):
+            record = dataclasses.replace(record, oom_killed=True, reason="oom-killed")
+        self.last_exit = record
+        # Helpers the worker forked must not outlive it: the next start needs an empty slot.
+        if self._cgroup.pids():
+            self._cgroup.kill_all(KILL_TIMEOUT_SECONDS)
+        if self._stop_requested:
+            self._set(Phase.STOPPED, f"stopped; worker {record.describe()}")
+            return
+        failed = not record.succeeded or bool(self._killed_for)
+        if now - self._launched_at >= self._backoff.reset_after_seconds:
+            self.consecutive_failures = 0
+        policy = self.spec.restart
+        restart = policy is RestartPolicy.ALWAYS or (policy is RestartPolicy.ON_FAILURE and failed)
+        cause = self._killed_for or record.describe()
+        if not restart:
+            self._set(Phase.FAILED if failed else Phase.EXITED, f"worker {cause}")
+            return
+        self._after_failure(now, f"worker {cause}")
+
+    def _after_failure(self, now: float, cause: str) -> None:
+        if self.spec.restart is RestartPolicy.NEVER:
+            self._set(Phase.FAILED, cause)
+            return
+        self.consecutive_failures += 1
+        self.restarts += 1
+        delay = self._backoff.delay(self.consecutive_failures)
+        self._next_restart_at = now + delay
+        looping = self.consecutive_failures >= self._backoff.crashloop_after
+        phase = Phase.CRASHLOOP if looping else Phase.BACKOFF
+        self._set(phase, f"{cause}; restart {self.restarts} in {delay:g}s")
+
+
+class SpawnerLauncher:
+    """The real Launcher: launches through the spawner and holds each worker by a verified pidfd."""
+
+    def __init__(self, spawner: Spawner) -> None:
+        self._spawner = spawner
+
+    def launch(self, req: LaunchRequest) -> WorkerProcess:
+        result = self._spawner.launch(req)
+        state = WorkerState(
+            launch_id=result.launch_id,
+            worker=ProcessIdentity(result.pid, result.start_time),
+            keeper=ProcessIdentity(result.keeper_pid, result.keeper_start_time),
+            started_at=time.time(),
+        )
+        pidfd = open_verified_pidfd(state.worker)
+        keeper_pidfd = open_verified_pidfd(state.keeper)
+        return WorkerProcess(state, Path(req.run_dir), -1 if pidfd is None else pidfd, keeper_pidfd)

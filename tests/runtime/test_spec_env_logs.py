@@ -1,0 +1,223 @@
+"""WorkerSpec validation and presets, environment wiring, log rotation and tail: plain data and tmp files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodeagent.errors import InvalidRequest, NotFound
+from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
+from nodeagent.runtime.logs import RotatingLog, tail
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.spec import ProbeKind, RestartPolicy, parse_worker_spec
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        pytest.param({}, "command", id="no-command"),
+        pytest.param({"command": "python serve.py"}, "command", id="shell-line"),
+        pytest.param({"command": []}, "command", id="empty-argv"),
+        pytest.param({"command": ["w"], "restart": "sometimes"}, "restart", id="bad-restart"),
+        pytest.param({"command": ["w"], "env": {"A=B": "x"}}, "env key", id="bad-env-key"),
+        pytest.param({"command": ["w"], "workdir": "relative"}, "workdir", id="relative-workdir"),
+        pytest.param(
+            {"command": ["w"], "rlimits": {"nofile": [10, 5]}}, "rlimits.nofile", id="soft-over-hard"
+        ),
+        pytest.param({"command": ["w"], "rlimits": {"bogus": 1}}, "bogus", id="unknown-rlimit"),
+        pytest.param(
+            {"command": ["w"], "readiness": {"http": {"port": 0}}}, "readiness.http.port", id="bad-port"
+        ),
+        pytest.param(
+            {"command": ["w"], "readiness": {"http": {"port": 1}, "tcp": {"port": 1}}},
+            "exactly one",
+            id="two-kinds",
+        ),
+        pytest.param({"command": ["w"], "stop_grace_seconds": -1}, "stop_grace_seconds", id="negative-grace"),
+        pytest.param({"command": ["w"], "colour": "blue"}, "unknown", id="unknown-key"),
+        pytest.param({"preset": "triton"}, "model_repository", id="triton-without-repo"),
+        pytest.param({"preset": "kubeflow"}, "preset", id="unknown-preset"),
+        pytest.param(
+            {"command": ["w"], "supplementary_groups": [None]}, "supplementary_groups", id="null-group"
+        ),
+    ],
+)
+def test_invalid_specs_name_the_field(raw, field):
+    with pytest.raises(InvalidRequest, match=field):
+        parse_worker_spec(raw)
+
+
+def test_full_spec_parses():
+    spec = parse_worker_spec(
+        {
+            "command": ["python", "serve.py"],
+            "env": {"A": "1"},
+            "user": "nobody",
+            "restart": "always",
+            "readiness": {"tcp": {"port": 9000}, "period_seconds": 2},
+            "liveness": {"exec": {"argv": ["true"]}, "failure_threshold": 5},
+            "rlimits": {"nofile": 4096},
+            "stop_grace_seconds": 10,
+        }
+    )
+    assert spec.command == ("python", "serve.py")
+    assert spec.restart is RestartPolicy.ALWAYS
+    assert spec.readiness is not None
+    assert (spec.readiness.kind, spec.readiness.port) == (ProbeKind.TCP, 9000)
+    assert spec.liveness is not None
+    assert spec.liveness.failure_threshold == 5
+    assert spec.rlimits == {"nofile": (4096, 4096)}
+
+
+@pytest.mark.parametrize(
+    ("raw", "argv0", "ready_path", "port"),
+    [
+        pytest.param(
+            {"preset": "triton", "model_repository": "/models", "model_name": "resnet"},
+            "tritonserver",
+            "/v2/models/resnet/ready",
+            8000,
+            id="triton-model",
+        ),
+        pytest.param(
+            {"preset": "triton", "model_repository": "/models"},
+            "tritonserver",
+            "/v2/health/ready",
+            8000,
+            id="triton-server",
+        ),
+        pytest.param(
+            {"preset": "torchserve", "model_repository": "/m", "model_name": "bert"},
+            "torchserve",
+            "/ping",
+            8080,
+            id="torchserve",
+        ),
+        pytest.param(
+            {"preset": "tfserving", "model_repository": "/m", "model_name": "wd"},
+            "tensorflow_model_server",
+            "/v1/models/wd",
+            8501,
+            id="tfserving",
+        ),
+        pytest.param(
+            {"preset": "generic", "command": ["srv"], "port": 9000},
+            "srv",
+            "/v2/health/ready",
+            9000,
+            id="generic-oip",
+        ),
+    ],
+)
+def test_presets_fill_command_and_probes(raw, argv0, ready_path, port):
+    spec = parse_worker_spec(raw)
+    assert spec.command[0] == argv0
+    assert spec.readiness is not None
+    assert spec.liveness is not None
+    assert (spec.readiness.path, spec.readiness.port) == (ready_path, port)
+
+
+def test_preset_keeps_what_the_spec_sets():
+    spec = parse_worker_spec(
+        {
+            "preset": "triton",
+            "model_repository": "/m",
+            "command": ["my-triton"],
+            "readiness": {"tcp": {"port": 1}},
+        }
+    )
+    assert spec.command == ("my-triton",)
+    assert spec.readiness is not None
+    assert spec.readiness.kind is ProbeKind.TCP
+
+
+SLOT = SlotDescription(
+    slot_id="s1",
+    cpus=(2, 3, 6, 7),
+    numa_nodes=(0,),
+    memory_bytes=1 << 30,
+    gpus=("GPU-abc", "MIG-def"),
+    fpga_devices=("/dev/xclmgmt1",),
+)
+
+
+def test_environment_is_wired_and_the_spec_wins(tmp_path):
+    env = worker_environment(SLOT, tmp_path / "slot.json", {"OMP_NUM_THREADS": "1", "X": "y"})
+    assert env["NODEAGENT_SLOT_ID"] == "s1"
+    assert env["NODEAGENT_SLOT_FILE"] == str(tmp_path / "slot.json")
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["MKL_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "4"
+    assert env["CUDA_VISIBLE_DEVICES"] == env["NVIDIA_VISIBLE_DEVICES"] == "GPU-abc,MIG-def"
+    assert env["NODEAGENT_FPGA_DEVICES"] == "/dev/xclmgmt1"
+    assert env["X"] == "y"
+
+
+@pytest.mark.parametrize(
+    ("slot", "threads", "cuda"),
+    [
+        pytest.param(
+            SlotDescription("b", cpus=(0, 1, 2, 3), numa_nodes=(), memory_bytes=None, cpu_quota=1.5),
+            "2",
+            "",
+            id="quota",
+        ),
+        pytest.param(SlotDescription("c", cpus=(), numa_nodes=(), memory_bytes=None), "1", "", id="no-cpus"),
+    ],
+)
+def test_thread_counts_follow_quota_and_gpus_are_hidden(tmp_path, slot, threads, cuda):
+    env = worker_environment(slot, tmp_path / "s.json", {})
+    assert (env["OMP_NUM_THREADS"], env["CUDA_VISIBLE_DEVICES"], env["NVIDIA_VISIBLE_DEVICES"]) == (
+        threads,
+        cuda,
+        "void",
+    )
+
+
+def test_slot_file_is_json(tmp_path):
+    body = json.loads(write_slot_file(SLOT, tmp_path / "slot.json").read_text())
+    assert body["schema"] == "nodeagent.slot/v1"
+    assert (body["cpus"], body["gpus"], body["memory_bytes"]) == (
+        [2, 3, 6, 7],
+        ["GPU-abc", "MIG-def"],
+        1 << 30,
+    )
+
+
+def test_launch_request_round_trips_json():
+    req = LaunchRequest(
+        launch_id="a",
+        argv=("w", "x"),
+        env={"A": "1"},
+        run_dir="/r",
+        log_dir="/l",
+        cpus=(1,),
+        rlimits={"nofile": (1, 2)},
+    )
+    assert LaunchRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
+
+
+def test_rotation_keeps_backups_and_tail_reads_across_files(tmp_path):
+    log = RotatingLog(tmp_path / "stdout.log", max_bytes=20, backups=2)
+    for i in range(12):
+        log.write(f"line {i:02d}\n".encode())  # 8 bytes a line: two lines a file
+    log.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stdout.log", "stdout.log.1", "stdout.log.2"]
+    assert (tmp_path / "stdout.log").read_text() == "line 10\nline 11\n"
+    assert tail(tmp_path, "stdout", 5) == ["line 07", "line 08", "line 09", "line 10", "line 11"]
+    assert tail(tmp_path, "stdout", 100) == [f"line {i:02d}" for i in range(6, 12)]
+
+
+def test_a_write_larger_than_a_file_is_split_on_lines(tmp_path):
+    log = RotatingLog(tmp_path / "stderr.log", max_bytes=16, backups=5)
+    log.write(b"aaaa\nbbbb\ncccc\ndddd\n")
+    log.close()
+    assert tail(tmp_path, "stderr", 10) == ["aaaa", "bbbb", "cccc", "dddd"]
+    assert all(p.stat().st_size <= 16 for p in tmp_path.iterdir())
+
+
+def test_tail_of_a_missing_log_says_so(tmp_path):
+    with pytest.raises(NotFound, match="has not been started"):
+        tail(tmp_path, "stdout")
+    with pytest.raises(NotFound, match="stream"):
+        tail(tmp_path, "journal")

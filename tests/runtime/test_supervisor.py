@@ -1,0 +1,265 @@
+"""The supervisor's state machine on a fake clock, with fake workers, probes and cgroup."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+
+import pytest
+
+from nodeagent.errors import WorkerError
+from nodeagent.runtime.process import ExitRecord
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
+from nodeagent.runtime.supervisor import Backoff, Phase, Supervisor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class FakeWorker:
+    pid: int
+    signals: list[int] = field(default_factory=list)
+    exit: ExitRecord | None = None
+    closed: bool = False
+
+    def poll(self, now: float | None = None) -> ExitRecord | None:
+        return self.exit
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.launched: list[FakeWorker] = []
+        self.requests: list[LaunchRequest] = []
+        self.fail_with: str | None = None
+
+    def launch(self, req: LaunchRequest) -> FakeWorker:
+        self.requests.append(req)
+        if self.fail_with:
+            raise WorkerError(self.fail_with)
+        worker = FakeWorker(pid=100 + len(self.launched))
+        self.launched.append(worker)
+        return worker
+
+    @property
+    def current(self) -> FakeWorker:
+        return self.launched[-1]
+
+
+class FakeCgroup:
+    def __init__(self) -> None:
+        self.oom_kills = 0
+        self.kills = 0
+        self.tasks: list[int] = []
+
+    def kill_all(self, timeout: float) -> None:
+        self.kills += 1
+        self.tasks = []
+
+    def oom_kill_count(self) -> int:
+        return self.oom_kills
+
+    def pids(self) -> list[int]:
+        return list(self.tasks)
+
+
+def exited(code: int | None = None, sig: int | None = None) -> ExitRecord:
+    return ExitRecord(code, sig, False, 0.0, "exited" if sig is None else "signaled")
+
+
+HTTP = Probe(kind=ProbeKind.HTTP, port=8000, period_seconds=1.0, failure_threshold=2)
+TEMPLATE = LaunchRequest(launch_id="slot-a", argv=("worker",), env={}, run_dir="/run", log_dir="/logs")
+
+
+def make(spec: WorkerSpec, probe_results: list[bool] | None = None, **kw):
+    clock, launcher, cgroup = Clock(), FakeLauncher(), FakeCgroup()
+    results = probe_results if probe_results is not None else []
+    checked: list[Probe] = []
+
+    def check(probe: Probe, host: str) -> bool:
+        checked.append(probe)
+        return results.pop(0) if results else True
+
+    sup = Supervisor(
+        spec,
+        TEMPLATE,
+        launcher,
+        cgroup,
+        clock=clock,
+        check=check,
+        backoff=kw.pop("backoff", Backoff(initial_seconds=1.0)),
+    )
+    return sup, clock, launcher, cgroup, checked
+
+
+def test_running_only_once_ready():
+    sup, clock, _, _, _ = make(WorkerSpec(command=("w",), readiness=HTTP), probe_results=[False, True])
+    sup.start()
+    assert sup.tick().phase is Phase.STARTING  # first probe failed
+    clock.now += 1.0
+    assert sup.tick().phase is Phase.RUNNING
+
+
+def test_readiness_loss_makes_it_unready_then_running_again():
+    sup, clock, _, _, _ = make(
+        WorkerSpec(command=("w",), readiness=HTTP), probe_results=[True, False, False, True]
+    )
+    sup.start()
+    phases = []
+    for _ in range(4):
+        phases.append(sup.tick().phase)
+        clock.now += 1.0
+    assert phases == [Phase.RUNNING, Phase.RUNNING, Phase.UNREADY, Phase.RUNNING]
+
+
+@pytest.mark.parametrize(
+    ("policy", "record", "phase"),
+    [
+        pytest.param(RestartPolicy.NEVER, exited(0), Phase.EXITED, id="never-success"),
+        pytest.param(RestartPolicy.NEVER, exited(3), Phase.FAILED, id="never-failure"),
+        pytest.param(RestartPolicy.ON_FAILURE, exited(0), Phase.EXITED, id="on-failure-success"),
+        pytest.param(RestartPolicy.ON_FAILURE, exited(3), Phase.BACKOFF, id="on-failure-failure"),
+        pytest.param(
+            RestartPolicy.ON_FAILURE, exited(sig=signal.SIGSEGV), Phase.BACKOFF, id="on-failure-crash"
+        ),
+        pytest.param(RestartPolicy.ALWAYS, exited(0), Phase.BACKOFF, id="always-success"),
+    ],
+)
+def test_restart_policy(policy, record, phase):
+    sup, _, launcher, _, _ = make(WorkerSpec(command=("w",), restart=policy))
+    sup.start()
+    launcher.current.exit = record
+    status = sup.tick()
+    assert status.phase is phase
+    assert status.last_exit == record
+    assert launcher.current.closed
+
+
+def test_crashing_worker_backs_off_exponentially_then_crashloops():
+    sup, clock, launcher, _, _ = make(WorkerSpec(command=("w",)))
+    sup.start()
+    delays, phases = [], []
+    for _ in range(5):
+        launcher.current.exit = exited(1)
+        status = sup.tick()
+        delays.append(status.next_restart_in)
+        phases.append(status.phase)
+        clock.now += status.next_restart_in - 0.001
+        assert sup.tick().phase is status.phase  # not yet
+        clock.now += 0.001
+        assert sup.tick().phase is Phase.RUNNING
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0]
+    assert phases == [Phase.BACKOFF, Phase.BACKOFF, Phase.CRASHLOOP, Phase.CRASHLOOP, Phase.CRASHLOOP]
+    assert len(launcher.launched) == 6
+    assert [r.launch_id for r in launcher.requests[:2]] == ["slot-a-1", "slot-a-2"]
+
+
+def test_backoff_resets_after_a_long_healthy_run():
+    sup, clock, launcher, _, _ = make(
+        WorkerSpec(command=("w",)), backoff=Backoff(initial_seconds=1.0, reset_after_seconds=60)
+    )
+    sup.start()
+    launcher.current.exit = exited(1)
+    clock.now += sup.tick().next_restart_in
+    sup.tick()
+    clock.now += 61
+    launcher.current.exit = exited(1)
+    assert sup.tick().next_restart_in == 1.0
+
+
+def test_liveness_failure_stops_gracefully_then_kills_the_slot():
+    liveness = Probe(kind=ProbeKind.TCP, port=1, period_seconds=1.0, failure_threshold=2)
+    spec = WorkerSpec(command=("w",), liveness=liveness, stop_grace_seconds=5)
+    sup, clock, launcher, cgroup, _ = make(spec, probe_results=[False, False])
+    sup.start()
+    worker = launcher.current
+    assert sup.tick().phase is Phase.RUNNING
+    clock.now += 1
+    assert sup.tick().phase is Phase.STOPPING
+    assert worker.signals == [signal.SIGTERM]
+    clock.now += 4.9
+    sup.tick()
+    assert cgroup.kills == 0
+    clock.now += 0.1
+    sup.tick()
+    assert cgroup.kills == 1
+    worker.exit = exited(sig=signal.SIGKILL)
+    status = sup.tick()
+    assert status.phase is Phase.BACKOFF
+    assert "liveness probe failed" in status.message
+
+
+def test_liveness_kill_counts_as_failure_even_with_a_clean_exit():
+    liveness = Probe(kind=ProbeKind.TCP, port=1, period_seconds=1.0, failure_threshold=1)
+    sup, _, launcher, _, _ = make(WorkerSpec(command=("w",), liveness=liveness), probe_results=[False])
+    sup.start()
+    sup.tick()
+    launcher.current.exit = exited(0)
+    assert sup.tick().phase is Phase.BACKOFF
+
+
+def test_stop_ends_in_stopped_and_kills_leftover_helpers():
+    sup, _, launcher, cgroup, _ = make(WorkerSpec(command=("w",), restart=RestartPolicy.ALWAYS))
+    sup.start()
+    cgroup.tasks = [100, 101]
+    sup.stop()
+    assert sup.tick().phase is Phase.STOPPING
+    launcher.current.exit = exited(sig=signal.SIGTERM)
+    status = sup.tick()
+    assert status.phase is Phase.STOPPED
+    assert cgroup.kills == 1
+    assert len(launcher.launched) == 1
+
+
+def test_stop_during_backoff_cancels_the_restart():
+    sup, clock, launcher, _, _ = make(WorkerSpec(command=("w",)))
+    sup.start()
+    launcher.current.exit = exited(1)
+    sup.tick()
+    sup.stop()
+    clock.now += 100
+    assert sup.tick().phase is Phase.STOPPED
+    assert len(launcher.launched) == 1
+
+
+def test_sigkill_with_a_new_oom_kill_in_the_slot_is_an_oom():
+    sup, _, launcher, cgroup, _ = make(WorkerSpec(command=("w",)))
+    sup.start()
+    cgroup.oom_kills = 1
+    launcher.current.exit = exited(sig=signal.SIGKILL)
+    status = sup.tick()
+    assert status.last_exit is not None
+    assert (status.last_exit.oom_killed, status.last_exit.reason) == (True, "oom-killed")
+    assert "OOM" in status.message
+
+
+def test_launch_failure_is_retried_with_backoff_or_fails_under_never():
+    sup, _, launcher, _, _ = make(WorkerSpec(command=("w",)))
+    launcher.fail_with = "exec w: No such file"
+    sup.start()
+    status = sup.status()
+    assert status.phase is Phase.BACKOFF
+    assert "No such file" in status.message
+    never, _, never_launcher, _, _ = make(WorkerSpec(command=("w",), restart=RestartPolicy.NEVER))
+    never_launcher.fail_with = "exec w: No such file"
+    never.start()
+    assert never.status().phase is Phase.FAILED
+
+
+def test_resume_exited_applies_the_policy():
+    sup, _, launcher, _, _ = make(WorkerSpec(command=("w",), restart=RestartPolicy.ON_FAILURE))
+    sup.resume_exited(exited(sig=signal.SIGKILL))
+    assert sup.status().phase is Phase.BACKOFF
+    assert launcher.launched == []
