@@ -1,0 +1,209 @@
+"""Exclusive CPUs and the shared pool that stays true to them.
+
+Which CPU runs what, in the agent's cgroup tree::
+
+    <parent>/                 online CPUs minus reserved ones ("allowed"): no slot ever runs on a
+    │                         reserved CPU, whatever its class
+    ├── <guaranteed slot>/    its own exclusive CPUs (a subset of allowed)
+    ├── burstable/            the shared pool: allowed minus every exclusive slot's CPUs
+    │   └── <slot>/           the pool, or the pool's CPUs on the slot's NUMA nodes when bound
+    └── best-effort/          the same pool
+        └── <slot>/
+
+Exclusivity that other slots can still run on is not exclusivity, so the pool shrinks *before* an
+exclusive slot gets its CPUs and grows only *after* the slot is gone. Cgroup v1 adds a rule of its
+own: a cpuset must stay a subset of its parent's, so a shrink goes children first and a grow goes
+parent first. :func:`plan_cpuset_writes` orders any change (even a mixed one, as after a crash)
+that way: grow every group to ``current | target`` top-down, then cut to ``target`` bottom-up.
+Cgroup v2 does not insist on the order (a parent's cpuset.cpus.effective bounds its children), and
+the same plan is valid there.
+
+The kernel is the record: exclusive CPUs are read back from the guaranteed slots' cpusets, and a
+shared slot's NUMA binding from its cpuset.mems, so an agent that restarts needs nothing else.
+
+An empty pool is allowed while no shared slot exists: v1 accepts an empty cpuset in a group without
+tasks; in v2 an empty cpuset.cpus means "as the parent", which only matters once a task is there,
+and a new shared slot is refused (Conflict) while the pool is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodeagent.cgroups import CgroupHost, Hierarchy, Resources, open_manager
+from nodeagent.cgroups import fs as cgroupfs
+from nodeagent.cgroups.cpulist import parse_ids
+from nodeagent.cgroups.hierarchy import CLASS_DIRS
+from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.errors import ConfigError, Conflict, DiscoveryError, Unsupported, os_error_message
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    """The host's online CPUs and the CPUs of each NUMA node."""
+
+    online: frozenset[int]
+    node_cpus: Mapping[int, frozenset[int]]
+
+    @property
+    def nodes(self) -> frozenset[int]:
+        return frozenset(self.node_cpus)
+
+    def cpus_of(self, nodes: Iterable[int]) -> frozenset[int]:
+        return frozenset().union(*(self.node_cpus.get(node, frozenset()) for node in nodes))
+
+
+def read_cpu_layout(sys_root: Path = Path("/sys")) -> CpuLayout:
+    """Online CPUs and per-node CPUs from sysfs; a kernel without NUMA is one node 0."""
+    system = sys_root / "devices" / "system"
+    online = parse_cpulist(_read(system / "cpu" / "online"))
+    node_cpus: dict[int, frozenset[int]] = {}
+    node_dir = system / "node"
+    if node_dir.is_dir():
+        for entry in sorted(node_dir.iterdir()):
+            suffix = entry.name.removeprefix("node")
+            if entry.name.startswith("node") and suffix.isdigit():
+                node_cpus[int(suffix)] = parse_cpulist(_read(entry / "cpulist")) & online
+    return CpuLayout(online, node_cpus or {0: online})
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as err:
+        raise DiscoveryError(os_error_message(f"reading {path}", err)) from err
+
+
+# --------------------------------------------------------------------------- pure decisions
+
+
+def shared_pool(
+    online: frozenset[int], reserved: frozenset[int], exclusive_by_slot: Mapping[str, frozenset[int]]
+) -> frozenset[int]:
+    """The CPUs burstable and best-effort slots share: online, not reserved, held by no exclusive slot."""
+    return online - reserved - frozenset().union(*exclusive_by_slot.values())
+
+
+def shared_slot_cpus(pool: frozenset[int], mems: frozenset[int] | None, layout: CpuLayout) -> frozenset[int]:
+    """A shared slot's cpuset: the pool, narrowed to its NUMA nodes' CPUs when its memory is bound."""
+    if mems is None or mems >= layout.nodes:
+        return pool
+    return pool & layout.cpus_of(mems)
+
+
+@dataclass(frozen=True)
+class CpusetGroup:
+    """One cgroup's cpuset as it is now and as it should be."""
+
+    relpath: str
+    current: frozenset[int]
+    target: frozenset[int]
+
+    @property
+    def depth(self) -> int:
+        return self.relpath.count("/")
+
+
+def plan_cpuset_writes(groups: Iterable[CpusetGroup]) -> list[tuple[str, frozenset[int]]]:
+    """Writes (relpath, cpus), in order, that take every group from current to target while each
+    stays a subset of its parent: grow top-down to current | target, then cut bottom-up."""
+    ordered = sorted(groups, key=lambda g: (g.depth, g.relpath))
+    writes: list[tuple[str, frozenset[int]]] = []
+    widened: dict[str, frozenset[int]] = {}
+    for group in ordered:
+        widened[group.relpath] = group.current | group.target
+        if widened[group.relpath] != group.current:
+            writes.append((group.relpath, widened[group.relpath]))
+    for group in reversed(ordered):
+        if group.target != widened[group.relpath]:
+            writes.append((group.relpath, group.target))
+    return writes
+
+
+# --------------------------------------------------------------------------- the kernel edge
+
+
+class SharedPool:
+    """Reads the agent's cpuset tree and rewrites it so the shared pool excludes exclusive CPUs."""
+
+    def __init__(
+        self, host: CgroupHost, hierarchy: Hierarchy, layout: CpuLayout, reserved: frozenset[int]
+    ) -> None:
+        self.host = host
+        self.hierarchy = hierarchy
+        self.layout = layout
+        self.reserved = reserved
+        self.allowed = layout.online - reserved
+        if not self.allowed:
+            raise ConfigError(
+                f"reserved CPUs {sorted(reserved)} leave none of the online CPUs {sorted(layout.online)} "
+                "for slots; reserve fewer"
+            )
+        self._mount = _cpuset_mount(host)
+
+    def class_parents(self) -> tuple[str, ...]:
+        return tuple(f"{self.hierarchy.parent}/{d}" for d in CLASS_DIRS.values())
+
+    def exclusive_by_slot(self) -> dict[str, frozenset[int]]:
+        """Each guaranteed slot's CPUs, as its cpuset says."""
+        parent = self.hierarchy.parent
+        names = cgroupfs.child_dirs(self._mount, parent)
+        return {name: self.read_cpus(f"{parent}/{name}") for name in names if name not in CLASS_DIRS.values()}
+
+    def shared_slots(self) -> dict[str, frozenset[int] | None]:
+        """relpath -> NUMA binding (None: unbound) of every burstable and best-effort slot."""
+        found: dict[str, frozenset[int] | None] = {}
+        for class_parent in self.class_parents():
+            for name in cgroupfs.child_dirs(self._mount, class_parent):
+                relpath = f"{class_parent}/{name}"
+                mems = self.read_ids(relpath, "cpuset.mems")
+                found[relpath] = None if not mems or mems >= self.layout.nodes else mems
+        return found
+
+    def pool(self, overrides: Mapping[str, frozenset[int]] | None = None) -> frozenset[int]:
+        """The pool given the guaranteed slots in the kernel, with ``overrides`` (slot -> CPUs) on top."""
+        return shared_pool(
+            self.layout.online, self.reserved, {**self.exclusive_by_slot(), **(overrides or {})}
+        )
+
+    def sync(self, overrides: Mapping[str, frozenset[int]] | None = None) -> frozenset[int]:
+        """Make the parent, the class parents and every shared slot hold what they should; return the pool.
+
+        ``overrides`` names guaranteed slots whose CPUs differ from their cpusets for now: a slot about
+        to be created or resized (give it old | new CPUs so the pool is cut before the slot widens).
+        """
+        pool = self.pool(overrides)
+        groups = [CpusetGroup(self.hierarchy.parent, self.read_cpus(self.hierarchy.parent), self.allowed)]
+        groups += [CpusetGroup(p, self.read_cpus(p), pool) for p in self.class_parents()]
+        for relpath, mems in self.shared_slots().items():
+            target = shared_slot_cpus(pool, mems, self.layout)
+            if not target:
+                binding = f"memory bound to NUMA nodes {sorted(mems)}" if mems else "memory unbound"
+                raise Conflict(
+                    f"shared slot cgroup {relpath} ({binding}) would be left with no CPU: the shared pool "
+                    f"would be {sorted(pool)}; free a CPU for the pool first (release an exclusive slot) or "
+                    "place the exclusive slot elsewhere"
+                )
+            groups.append(CpusetGroup(relpath, self.read_cpus(relpath), target))
+        for relpath, cpus in plan_cpuset_writes(groups):
+            open_manager(self.host, relpath).set(Resources(cpuset_cpus=cpus))
+        return pool
+
+    def read_cpus(self, relpath: str) -> frozenset[int]:
+        return self.read_ids(relpath, "cpuset.cpus")
+
+    def read_ids(self, relpath: str, name: str) -> frozenset[int]:
+        return parse_ids(cgroupfs.read_file(self._mount, cgroupfs.join(relpath, name)))
+
+
+def _cpuset_mount(host: CgroupHost) -> Path:
+    if host.mode == "v2" and host.v2_mount is not None:
+        return host.v2_mount
+    if "cpuset" in host.v1_mounts:
+        return host.v1_mounts["cpuset"]
+    raise Unsupported(
+        f"no cpuset controller on this host (cgroup mode {host.mode}); exclusive CPUs and the shared pool "
+        "need it: mount the v1 cpuset hierarchy or enable cpuset in cgroup v2"
+    )

@@ -1,0 +1,79 @@
+"""A slot's device allow-list: the safe set every process needs, plus the slot's own devices.
+
+Everything not on the list is refused (v1: the devices controller; v2: the eBPF program the
+cgroup manager attaches). Access is read/write, never mknod: a slot has no business creating
+device nodes, and without ``m`` a node it creates could not be opened anyway.
+
+Building the rules is pure (:func:`device_rules`); finding the type and numbers of the slot's
+device paths is the one piece of I/O (:func:`resolve_device_nodes`), done before any kernel
+object exists so a wrong path fails the request cleanly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nodeagent.cgroups import DeviceRule
+from nodeagent.devices.pci import DeviceNumber, device_node_info
+from nodeagent.errors import InvalidRequest, NotFound
+
+if TYPE_CHECKING:
+    from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+
+SLOT_ACCESS = "rw"
+
+#: What any process expects to open: null, zero, full, random, urandom, tty, ptmx and the
+#: pseudo-terminals (Unix98 pty slaves, major 136).
+SAFE_DEVICES: tuple[DeviceRule, ...] = (
+    DeviceRule("c", 1, 3, SLOT_ACCESS),
+    DeviceRule("c", 1, 5, SLOT_ACCESS),
+    DeviceRule("c", 1, 7, SLOT_ACCESS),
+    DeviceRule("c", 1, 8, SLOT_ACCESS),
+    DeviceRule("c", 1, 9, SLOT_ACCESS),
+    DeviceRule("c", 5, 0, SLOT_ACCESS),
+    DeviceRule("c", 5, 2, SLOT_ACCESS),
+    DeviceRule("c", 136, None, SLOT_ACCESS),
+)
+
+#: What CUDA opens besides the GPU's own node; added for GPU slots where the host has them.
+GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+def device_rules(
+    nodes: Iterable[DeviceNumber], safe: Iterable[DeviceRule] = SAFE_DEVICES
+) -> tuple[DeviceRule, ...]:
+    """The allow-list: ``safe`` plus read/write on each node, sorted and without duplicates."""
+    rules = set(safe)
+    rules.update(DeviceRule(node.type, node.major, node.minor, SLOT_ACCESS) for node in nodes)
+    return tuple(sorted(rules))
+
+
+def resolve_device_nodes(
+    slot_id: str, required: Iterable[str], optional: Iterable[str] = ()
+) -> tuple[DeviceNumber, ...]:
+    """Type and numbers of every ``required`` path (each must be a device node) and of each
+    ``optional`` one that exists. Raises NotFound / InvalidRequest naming the path."""
+    found: list[DeviceNumber] = []
+    for path in required:
+        try:
+            found.append(device_node_info(path))
+        except NotFound as err:
+            raise NotFound(
+                f"slot {slot_id} asks for device {path}, which does not exist on this host; check the "
+                "path and that its driver is loaded, or drop it from the request"
+            ) from err
+        except InvalidRequest as err:
+            raise InvalidRequest(
+                f"slot {slot_id} asks for device {path}, which is not a character or block device "
+                "node; give its node under /dev"
+            ) from err
+    found += [device_node_info(path) for path in optional if Path(path).exists()]
+    return tuple(found)
+
+
+def slot_device_rules(spec: SlotIsolationSpec, config: IsolationConfig) -> tuple[DeviceRule, ...]:
+    """The allow-list of ``spec``'s slot, resolving its device paths on this host."""
+    optional = config.gpu_control_nodes if spec.gpu else ()
+    return device_rules(resolve_device_nodes(spec.slot_id, spec.device_paths, optional), config.safe_devices)

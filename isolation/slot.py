@@ -1,0 +1,544 @@
+"""Turning a slot's isolation spec into kernel state, and taking it down again.
+
+:class:`SlotIsolator` is the one place that sequences the mechanisms of this package for a slot:
+
+1. everything that can be refused without touching the kernel is checked first: the spec, the
+   device paths (resolved to numbers), resctrl support, exclusive CPUs already held by another
+   slot, the QoS parameters;
+2. for an exclusive slot the shared pool is cut *before* the slot gets its CPUs (see
+   :mod:`nodeagent.isolation.cpus`);
+3. the slot's cgroup is created and configured (cpuset, memory, pids, CPU weight/quota/idle),
+   then its device allow-list, then its network namespace and resctrl group if asked;
+4. on any failure, whatever this call created is removed again and the pool restored before the
+   error propagates.
+
+Release kills the slot's processes, removes its cgroup, netns and resctrl group (whatever of them
+exists), then grows the pool. The kernel is the record: the isolator keeps no state of its own,
+so an agent that restarts can list what it owns and remove orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyroute2 import IPRoute
+
+from nodeagent.cgroups import (
+    UNLIMITED,
+    CgroupHost,
+    CgroupManager,
+    QosClass,
+    Resources,
+    apply_device_rules,
+    ensure_parents,
+    open_manager,
+    remove_subtree,
+)
+from nodeagent.cgroups.hierarchy import CLASS_DIRS
+from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
+from nodeagent.isolation.cpus import CpuLayout, SharedPool, read_cpu_layout, shared_slot_cpus
+from nodeagent.isolation.devices import slot_device_rules
+from nodeagent.isolation.network import (
+    NetworkBackend,
+    OwnedNetwork,
+    SlotNetwork,
+    SlotNetworkConfig,
+    allocate_subnet,
+    default_backend,
+    host_veth_name,
+    netns_name,
+    netns_path,
+    plan_slot_network,
+    validate_slot_id,
+)
+from nodeagent.isolation.qos import QOS_CLASSES, QosParameters, qos_parameters
+from nodeagent.isolation.resctrl import Resctrl
+from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+
+Undo = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class AppliedSlot:
+    """What the isolator built for a slot: what the launcher needs, and what the agent stores.
+
+    ``cpus`` of a shared slot is the pool at the time of the call; its cpuset follows the pool.
+    ``sched_idle``: put the slot's processes under SCHED_IDLE (best-effort where cpu.idle is missing).
+    ``resctrl_tasks``: the file a launcher writes each worker pid to, when the slot has a resctrl group.
+    """
+
+    slot_id: str
+    qos: str
+    cgroup: str
+    cgroup_version: str
+    procs_files: tuple[str, ...]
+    oom_events: str | None
+    cpus: frozenset[int]
+    mems: frozenset[int] | None
+    memory_max: int | None
+    sched_idle: bool
+    oom_score_adj: int
+    device_rules: tuple[str, ...]
+    network: SlotNetwork | None = None
+    resctrl_group: str | None = None
+    resctrl_tasks: str | None = None
+
+    @property
+    def netns_path(self) -> str | None:
+        return None if self.network is None else str(self.network.netns_path)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "slot_id": self.slot_id,
+            "qos": self.qos,
+            "cgroup": self.cgroup,
+            "cgroup_version": self.cgroup_version,
+            "procs_files": list(self.procs_files),
+            "oom_events": self.oom_events,
+            "cpus": sorted(self.cpus),
+            "mems": None if self.mems is None else sorted(self.mems),
+            "memory_max": self.memory_max,
+            "sched_idle": self.sched_idle,
+            "oom_score_adj": self.oom_score_adj,
+            "device_rules": list(self.device_rules),
+            "network": None if self.network is None else self.network.to_json(),
+            "resctrl_group": self.resctrl_group,
+            "resctrl_tasks": self.resctrl_tasks,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AppliedSlot:
+        try:
+            mems = data["mems"]
+            network = data.get("network")
+            return cls(
+                slot_id=data["slot_id"],
+                qos=data["qos"],
+                cgroup=data["cgroup"],
+                cgroup_version=data["cgroup_version"],
+                procs_files=tuple(data["procs_files"]),
+                oom_events=data.get("oom_events"),
+                cpus=frozenset(data["cpus"]),
+                mems=None if mems is None else frozenset(mems),
+                memory_max=data.get("memory_max"),
+                sched_idle=bool(data["sched_idle"]),
+                oom_score_adj=int(data["oom_score_adj"]),
+                device_rules=tuple(data["device_rules"]),
+                network=None if network is None else SlotNetwork.from_json(network),
+                resctrl_group=data.get("resctrl_group"),
+                resctrl_tasks=data.get("resctrl_tasks"),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise InvalidRequest(f"malformed applied-slot record {data!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class OwnedIsolation:
+    """Kernel objects carrying the isolator's marks: cgroups under its parent, netns and veths with
+    the network prefixes, resctrl groups with the resctrl prefix."""
+
+    cgroups: Mapping[str, str]  # slot id -> cgroup relpath
+    network: OwnedNetwork
+    resctrl_groups: tuple[str, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not self.cgroups and self.network.empty and not self.resctrl_groups
+
+
+def slot_resources(
+    spec: SlotIsolationSpec, params: QosParameters, cpus: frozenset[int], *, swap_limit: bool
+) -> Resources:
+    """The cgroup settings for ``spec`` (pure): QoS parameters onto the managers' Resources."""
+    return Resources(
+        cpuset_cpus=cpus,
+        cpuset_mems=spec.mems,
+        # The kernel refuses a weight on an idle group (EINVAL): idle already means "least".
+        cpu_weight=None if params.cpu_idle else params.cpu_weight,
+        cpu_quota_us=UNLIMITED if params.cpu_quota_us is None else params.cpu_quota_us,
+        cpu_period_us=params.cpu_period_us,
+        cpu_idle=True if params.cpu_idle else None,
+        memory_max=UNLIMITED if params.memory_max is None else params.memory_max,
+        memory_high=params.memory_high,
+        memory_swap_max=params.memory_swap_max if swap_limit else None,
+        pids_max=spec.pids_max or params.pids_max,
+    )
+
+
+def slot_cpu_request(spec: SlotIsolationSpec) -> float | None:
+    """The CPU count the QoS class sizes weights and quotas from."""
+    if spec.qos == "guaranteed":
+        return float(len(spec.cpus))
+    return spec.cpu_quota if spec.qos == "burstable" else None
+
+
+class SlotIsolator:
+    """Creates, resizes and releases slots' kernel state under ``config.cgroup_parent``.
+
+    Thread-safe (one lock); one isolator per host and parent. ``network_backend`` defaults to
+    :func:`~nodeagent.isolation.network.default_backend` and ``resctrl`` to the host's resctrl
+    filesystem, both created on first use; ``layout`` (online CPUs per NUMA node) is read from sysfs
+    unless given.
+    """
+
+    def __init__(
+        self,
+        host: CgroupHost,
+        config: IsolationConfig | None = None,
+        network_backend: NetworkBackend | None = None,
+        resctrl: Resctrl | None = None,
+        layout: CpuLayout | None = None,
+    ) -> None:
+        self.host = host
+        self.config = config or IsolationConfig()
+        self.hierarchy = self.config.hierarchy
+        self._network = network_backend
+        self._resctrl = resctrl
+        self._layout = layout
+        self._pool: SharedPool | None = None
+        self._ready = False
+        self._lock = threading.RLock()
+
+    # -- collaborators, created on first use ----------------------------------------------------
+
+    @property
+    def pool(self) -> SharedPool:
+        if self._pool is None:
+            layout = self._layout or read_cpu_layout(self.config.sys_root)
+            self._pool = SharedPool(self.host, self.hierarchy, layout, self.config.reserved_cpus)
+        return self._pool
+
+    @property
+    def network(self) -> NetworkBackend:
+        if self._network is None:
+            self._network = default_backend(self.config.network)
+        return self._network
+
+    @property
+    def resctrl(self) -> Resctrl:
+        if self._resctrl is None:
+            self._resctrl = Resctrl(self.config.resctrl_root)
+        return self._resctrl
+
+    # -- the hierarchy --------------------------------------------------------------------------
+
+    def ensure_hierarchy(self) -> None:
+        """Create the parent and class parents (idempotent), make the pool true, idle best-effort."""
+        with self._lock:
+            if not self.host.can_write:
+                raise CgroupError(
+                    f"cannot create cgroups here (mode {self.host.mode}): run the agent as root or on a "
+                    "delegated cgroup v2 subtree"
+                )
+            ensure_parents(self.host, self.hierarchy)
+            self.pool.sync()
+            best_effort = open_manager(self.host, self.hierarchy.class_parent("best-effort"))
+            # cpu.idle works between siblings, so it is the class parent that must be idle for
+            # best-effort to yield to burstable and guaranteed slots; a weight is refused once idle.
+            idle = _has_file(best_effort, "cpu", "cpu.idle")
+            best_effort.set(Resources(cpu_idle=True) if idle else Resources(cpu_weight=1))
+            self._ready = True
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    def apply(self, spec: SlotIsolationSpec) -> AppliedSlot:
+        """Make the slot's kernel state match ``spec`` (idempotent); roll back this call's work on failure."""
+        with self._lock:
+            return self._apply(spec, must_exist=False)
+
+    def resize(self, spec: SlotIsolationSpec) -> AppliedSlot:
+        """Change an existing slot's CPUs and limits in place (same order of pool updates as apply)."""
+        with self._lock:
+            return self._apply(spec, must_exist=True)
+
+    def release(self, slot_id: str) -> None:
+        """Kill everything in the slot and remove its cgroup, netns and resctrl group; grow the pool.
+
+        Idempotent: objects already gone are fine.
+        """
+        validate_slot_id(slot_id)
+        with self._lock:
+            for relpath in self._candidate_paths(slot_id):
+                remove_subtree(self.host, relpath, self.config.kill_timeout_s)
+            if self._has_network(slot_id):
+                self.network.teardown(slot_id)
+            if self._resctrl_mounted():
+                self.resctrl.delete_group(self.config.resctrl_group(slot_id))
+            if self._ready or open_manager(self.host, self.hierarchy.parent).exists():
+                self.pool.sync()
+
+    def list_owned(self) -> OwnedIsolation:
+        """Every slot object the isolator's marks identify (to find orphans after a crash)."""
+        with self._lock:
+            cgroups: dict[str, str] = {}
+            parent = open_manager(self.host, self.hierarchy.parent)
+            for qos in QOS_CLASSES:
+                class_path = self.hierarchy.class_parent(qos)
+                for name in open_manager(self.host, class_path).children() if parent.exists() else ():
+                    if qos != "guaranteed" or name not in CLASS_DIRS.values():
+                        cgroups[name] = f"{class_path}/{name}"
+            resctrl_groups: tuple[str, ...] = ()
+            if self._resctrl_mounted():
+                prefix = self.config.resctrl_prefix
+                resctrl_groups = tuple(g for g in self.resctrl.groups() if g.startswith(prefix))
+            return OwnedIsolation(cgroups, self.network.list_owned(), resctrl_groups)
+
+    def remove_orphans(self, known_slot_ids: Iterable[str]) -> OwnedIsolation:
+        """Remove every owned object that belongs to none of ``known_slot_ids``; return what went."""
+        known = frozenset(known_slot_ids)
+        with self._lock:
+            owned = self.list_owned()
+            cgroups = {slot: path for slot, path in owned.cgroups.items() if slot not in known}
+            for relpath in cgroups.values():
+                remove_subtree(self.host, relpath, self.config.kill_timeout_s)
+            network = _orphan_network(owned.network, self.config.network, known)
+            if not network.empty:
+                self.network.remove_owned(network)
+            prefix = self.config.resctrl_prefix
+            resctrl = tuple(g for g in owned.resctrl_groups if g.removeprefix(prefix) not in known)
+            for group in resctrl:
+                self.resctrl.delete_group(group)
+            if cgroups and open_manager(self.host, self.hierarchy.parent).exists():
+                self.pool.sync()
+            return OwnedIsolation(cgroups, network, resctrl)
+
+    def remove_all(self) -> OwnedIsolation:
+        """Remove every slot and then the agent's parent cgroups (uninstall, and tests' clean-up)."""
+        with self._lock:
+            removed = self.remove_orphans(())
+            remove_subtree(self.host, self.hierarchy.parent, self.config.kill_timeout_s)
+            self._ready = False
+            return removed
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _apply(self, spec: SlotIsolationSpec, *, must_exist: bool) -> AppliedSlot:
+        rules = slot_device_rules(spec, self.config)
+        if spec.l3 is not None:
+            self.resctrl.require(l3=True)
+        if not self._ready:
+            self.ensure_hierarchy()
+        relpath = self.hierarchy.slot_path(spec.slot_id, spec.qos)
+        manager = open_manager(self.host, relpath)
+        existed = self._check_existing(spec, relpath, manager, must_exist=must_exist)
+        params = self._parameters(spec)
+        undo: list[Undo] = []
+        try:
+            cpus = self._prepare_cpus(spec, relpath, existed)
+            manager.create()
+            if not existed:
+                undo.append(lambda: remove_subtree(self.host, relpath, self.config.kill_timeout_s))
+            manager.set(slot_resources(spec, params, cpus, swap_limit=_swap_limit_supported(manager)))
+            _set_io_weight(manager, params.io_weight)
+            apply_device_rules(manager, rules)
+            if spec.exclusive and existed:
+                self.pool.sync()  # give back CPUs a resized slot let go
+            network = self._apply_network(spec, undo)
+            resctrl_group = self._apply_resctrl(spec, undo)
+        except BaseException:
+            self._roll_back(undo, spec.exclusive)
+            raise
+        return self._describe(
+            spec,
+            manager=manager,
+            params=params,
+            cpus=cpus,
+            rules=rules,
+            network=network,
+            resctrl_group=resctrl_group,
+        )
+
+    def _check_existing(
+        self, spec: SlotIsolationSpec, relpath: str, manager: CgroupManager, *, must_exist: bool
+    ) -> bool:
+        others = [p for p in self._candidate_paths(spec.slot_id) if p != relpath]
+        clash = [p for p in others if open_manager(self.host, p).exists()]
+        if clash:
+            raise Conflict(
+                f"slot {spec.slot_id} already exists as cgroup {clash[0]}, not as {spec.qos}; a slot "
+                "cannot change its QoS class: release it and apply it again"
+            )
+        existed = manager.exists()
+        if must_exist and not existed:
+            raise NotFound(f"slot {spec.slot_id} has no cgroup {relpath} to resize; apply it first")
+        return existed
+
+    def _prepare_cpus(self, spec: SlotIsolationSpec, relpath: str, existed: bool) -> frozenset[int]:
+        """The slot's cpuset, with the pool already cut for an exclusive slot."""
+        if not spec.exclusive:
+            cpus = shared_slot_cpus(self.pool.pool(), spec.mems, self.pool.layout)
+            if not cpus:
+                raise Conflict(
+                    f"slot {spec.slot_id} ({spec.qos}) would have no CPU: the shared pool is "
+                    f"{sorted(self.pool.pool())} and its memory is bound to nodes {sorted(spec.mems or ())}; "
+                    "release an exclusive slot first"
+                )
+            return cpus
+        self._check_exclusive(spec)
+        current = self.pool.read_cpus(relpath) if existed else frozenset()
+        self.pool.sync({spec.slot_id: current | spec.cpus})
+        return spec.cpus
+
+    def _check_exclusive(self, spec: SlotIsolationSpec) -> None:
+        outside = spec.cpus - self.pool.allowed
+        if outside:
+            raise InvalidRequest(
+                f"guaranteed slot {spec.slot_id} asks for CPUs {sorted(outside)}, which are offline or "
+                f"reserved; slots may use {sorted(self.pool.allowed)}"
+            )
+        for other, cpus in self.pool.exclusive_by_slot().items():
+            if other != spec.slot_id and cpus & spec.cpus:
+                raise Conflict(
+                    f"guaranteed slot {spec.slot_id} asks for CPUs {sorted(spec.cpus)}, but "
+                    f"{sorted(cpus & spec.cpus)} belong to slot {other}; release it first"
+                )
+
+    def _parameters(self, spec: SlotIsolationSpec) -> QosParameters:
+        class_parent = open_manager(self.host, self.hierarchy.class_parent(spec.qos))
+        return qos_parameters(
+            spec.qos,
+            cpus=slot_cpu_request(spec),
+            memory_bytes=spec.memory_bytes,
+            cpu_idle_available=_has_file(class_parent, "cpu", "cpu.idle"),
+            defaults=self.config.qos,
+        )
+
+    def _apply_network(self, spec: SlotIsolationSpec, undo: list[Undo]) -> SlotNetwork | None:
+        if spec.network is None:
+            return None
+        config = self.config.network
+        subnets = _host_veth_subnets(config)
+        existing = subnets.get(host_veth_name(config, spec.slot_id))
+        if existing is not None and netns_path(config, spec.slot_id).exists():
+            return plan_slot_network(config, spec.slot_id, existing, spec.network.bandwidth_mbit)
+        self.network.teardown(spec.slot_id)  # a half-built leftover of a crash
+        subnet = allocate_subnet(config, subnets.values())
+        network = self.network.setup(spec.slot_id, subnet, spec.network.bandwidth_mbit)
+        undo.append(lambda: self.network.teardown(spec.slot_id))
+        return network
+
+    def _apply_resctrl(self, spec: SlotIsolationSpec, undo: list[Undo]) -> str | None:
+        if spec.l3 is None:
+            return None
+        group = self.config.resctrl_group(spec.slot_id)
+        if group not in self.resctrl.groups():
+            self.resctrl.create_group(group, l3=spec.l3)
+            undo.append(lambda: self.resctrl.delete_group(group))
+        return group
+
+    def _roll_back(self, undo: list[Undo], exclusive: bool) -> None:
+        # The caller needs the original error; a step that fails here leaves an object that
+        # remove_orphans finds later, so its error is not allowed to replace the first one.
+        for step in reversed(undo):
+            with contextlib.suppress(Exception):
+                step()
+        if exclusive:
+            with contextlib.suppress(Exception):
+                self.pool.sync()
+
+    def _describe(
+        self,
+        spec: SlotIsolationSpec,
+        *,
+        manager: CgroupManager,
+        params: QosParameters,
+        cpus: frozenset[int],
+        rules: Iterable[object],
+        network: SlotNetwork | None,
+        resctrl_group: str | None,
+    ) -> AppliedSlot:
+        paths = manager.paths()
+        if "memory" in paths:
+            oom_events: str | None = str(paths["memory"] / "memory.oom_control")
+        else:
+            oom_events = str(paths["unified"] / "memory.events") if "unified" in paths else None
+        return AppliedSlot(
+            slot_id=spec.slot_id,
+            qos=spec.qos,
+            cgroup=manager.relpath,
+            cgroup_version=manager.version,
+            procs_files=tuple(str(p) for p in manager.procs_files()),
+            oom_events=oom_events,
+            cpus=cpus,
+            mems=spec.mems,
+            memory_max=params.memory_max,
+            sched_idle=params.sched_idle,
+            oom_score_adj=params.oom_score_adj,
+            device_rules=tuple(str(rule) for rule in rules),
+            network=network,
+            resctrl_group=resctrl_group,
+            resctrl_tasks=None if resctrl_group is None else str(self.resctrl.root / resctrl_group / "tasks"),
+        )
+
+    def _candidate_paths(self, slot_id: str) -> list[str]:
+        classes: tuple[QosClass, ...] = ("guaranteed", "burstable", "best-effort")
+        return [self.hierarchy.slot_path(slot_id, qos) for qos in classes]
+
+    def _has_network(self, slot_id: str) -> bool:
+        config = self.config.network
+        return (
+            netns_path(config, slot_id).exists()
+            or Path("/sys/class/net", host_veth_name(config, slot_id)).exists()
+        )
+
+    def _resctrl_mounted(self) -> bool:
+        return (self.resctrl.root / "info").is_dir()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _controller_dir(manager: CgroupManager, controller: str) -> Path | None:
+    paths = manager.paths()
+    return paths.get(controller) or paths.get("unified")
+
+
+def _has_file(manager: CgroupManager, controller: str, name: str) -> bool:
+    directory = _controller_dir(manager, controller)
+    return directory is not None and (directory / name).is_file()
+
+
+def _swap_limit_supported(manager: CgroupManager) -> bool:
+    """Swap accounting is a boot option (v1 memsw) or a v2 file; without it the swap limit is skipped."""
+    return _has_file(manager, "memory", "memory.memsw.limit_in_bytes") or _has_file(
+        manager, "memory", "memory.swap.max"
+    )
+
+
+def _set_io_weight(manager: CgroupManager, weight: int) -> None:
+    # An I/O weight needs the bfq scheduler or blk-iocost; without them the slot runs unweighted
+    # (nodeagent doctor reports it), which is no reason to refuse the slot.
+    with contextlib.suppress(Unsupported):
+        manager.set(Resources(io_weight=weight))
+
+
+def _host_veth_subnets(config: SlotNetworkConfig) -> dict[str, ipaddress.IPv4Network]:
+    """host veth name -> its slot subnet, for every veth carrying our prefix."""
+    try:
+        with IPRoute() as ipr:
+            names = {msg["index"]: msg.get("ifname") or "" for msg in ipr.link("dump")}
+            found: dict[str, ipaddress.IPv4Network] = {}
+            for msg in ipr.addr("dump", family=socket.AF_INET):
+                name = names.get(msg["index"], "")
+                if name.startswith(config.veth_prefix) and msg.get("address"):
+                    found[name] = ipaddress.IPv4Interface(f"{msg.get('address')}/{msg['prefixlen']}").network
+            return found
+    except OSError as err:
+        raise NetworkError(f"listing the slot veths' addresses: {err}", errno_=err.errno) from err
+
+
+def _orphan_network(owned: OwnedNetwork, config: SlotNetworkConfig, known: frozenset[str]) -> OwnedNetwork:
+    keep_netns = {netns_name(config, slot) for slot in known}
+    keep_veths = {host_veth_name(config, slot) for slot in known}
+    return OwnedNetwork(
+        netns=tuple(n for n in owned.netns if n not in keep_netns),
+        host_veths=tuple(v for v in owned.host_veths if v not in keep_veths),
+        rule_ifnames=tuple(r for r in owned.rule_ifnames if r not in keep_veths),
+    )

@@ -1,0 +1,451 @@
+"""SlotIsolator: pure mapping of specs onto cgroup settings, then slots on the real kernel (root).
+
+The kernel tests use a parent of their own (``natest<pid>-<n>.slice``), so a real nodeagent.slice is
+never touched, and check after every test that nothing they created remains.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.cgroups import UNLIMITED, CgroupHost, Resources, detect, open_manager
+from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, Unsupported
+from nodeagent.isolation.network import SlotNetworkConfig
+from nodeagent.isolation.qos import qos_parameters
+from nodeagent.isolation.resctrl import Resctrl
+from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
+from nodeagent.isolation.spec import IsolationConfig, NetworkRequest, SlotIsolationSpec
+
+from ..cgroups.conftest import Child, wait_for
+
+MiB = 1 << 20
+F = frozenset
+
+
+def guaranteed(slot_id: str = "g", cpus: frozenset[int] = F({1}), **kwargs: object) -> SlotIsolationSpec:
+    return SlotIsolationSpec(
+        slot_id, "guaranteed", cpus=cpus, exclusive=True, mems=F({0}), memory_bytes=128 * MiB, **kwargs
+    )  # type: ignore[arg-type]
+
+
+def burstable(slot_id: str = "b", **kwargs: object) -> SlotIsolationSpec:
+    return SlotIsolationSpec(slot_id, "burstable", cpu_quota=0.5, memory_bytes=128 * MiB, **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- pure
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        pytest.param({"slot_id": "a/b", "qos": "burstable"}, InvalidRequest, "cannot name", id="slash-in-id"),
+        pytest.param(
+            {"slot_id": "burstable", "qos": "burstable"}, InvalidRequest, "reserved", id="class-name"
+        ),
+        pytest.param({"slot_id": "x", "qos": "gold"}, InvalidRequest, "unknown QoS", id="unknown-qos"),
+        pytest.param(
+            {"slot_id": "x", "qos": "guaranteed", "cpus": F({1})},
+            InvalidRequest,
+            "exclusive=False",
+            id="guaranteed-not-exclusive",
+        ),
+        pytest.param(
+            {"slot_id": "x", "qos": "burstable", "exclusive": True},
+            InvalidRequest,
+            "only guaranteed",
+            id="burstable-exclusive",
+        ),
+        pytest.param(
+            {"slot_id": "x", "qos": "guaranteed", "exclusive": True},
+            InvalidRequest,
+            "has no CPUs",
+            id="guaranteed-without-cpus",
+        ),
+        pytest.param(
+            {"slot_id": "x", "qos": "burstable", "mems": F()},
+            InvalidRequest,
+            "at least one NUMA",
+            id="empty-mems",
+        ),
+        pytest.param(
+            {"slot_id": "x", "qos": "burstable", "cpu_quota": 0}, InvalidRequest, "cpu_quota", id="zero-quota"
+        ),
+        pytest.param(
+            {"slot_id": "x", "qos": "burstable", "pids_max": 0}, InvalidRequest, "pids_max", id="zero-pids"
+        ),
+    ],
+)
+def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error, match=fragment):
+        SlotIsolationSpec(**kwargs)
+
+
+def test_spec_json_round_trip() -> None:
+    spec = guaranteed(device_paths=("/dev/nvidia0",), gpu=True, network=NetworkRequest(100.0), l3=0.25)
+    assert SlotIsolationSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("spec", "idle", "expected"),
+    [
+        pytest.param(
+            guaranteed(cpus=F({2, 3})),
+            True,
+            Resources(
+                cpuset_cpus=F({2, 3}),
+                cpuset_mems=F({0}),
+                cpu_weight=200,
+                cpu_quota_us=UNLIMITED,
+                cpu_period_us=100_000,
+                memory_max=128 * MiB,
+                memory_swap_max=0,
+                pids_max=4096,
+            ),
+            id="guaranteed-no-quota-no-swap",
+        ),
+        pytest.param(
+            burstable(pids_max=64),
+            True,
+            Resources(
+                cpuset_cpus=F({2, 3}),
+                cpu_weight=50,
+                cpu_quota_us=50_000,
+                cpu_period_us=100_000,
+                memory_max=128 * MiB,
+                memory_swap_max=0,
+                pids_max=64,
+            ),
+            id="burstable-quota-and-weight",
+        ),
+        pytest.param(
+            SlotIsolationSpec("e", "best-effort", memory_bytes=64 * MiB),
+            True,
+            Resources(
+                cpuset_cpus=F({2, 3}),
+                cpu_quota_us=UNLIMITED,
+                cpu_period_us=100_000,
+                cpu_idle=True,
+                memory_max=128 * MiB,
+                memory_high=64 * MiB,
+                pids_max=4096,
+            ),
+            id="best-effort-idle-no-weight",
+        ),
+        pytest.param(
+            SlotIsolationSpec("e", "best-effort"),
+            False,
+            Resources(
+                cpuset_cpus=F({2, 3}),
+                cpu_weight=1,
+                cpu_quota_us=UNLIMITED,
+                cpu_period_us=100_000,
+                memory_max=UNLIMITED,
+                pids_max=4096,
+            ),
+            id="best-effort-without-cpu-idle",
+        ),
+    ],
+)
+def test_qos_parameters_map_onto_cgroup_resources(
+    spec: SlotIsolationSpec, idle: bool, expected: Resources
+) -> None:
+    cpus = spec.cpus if spec.exclusive else F({2, 3})
+    request = float(len(spec.cpus)) if spec.exclusive else spec.cpu_quota
+    params = qos_parameters(spec.qos, cpus=request, memory_bytes=spec.memory_bytes, cpu_idle_available=idle)
+    assert slot_resources(spec, params, cpus, swap_limit=True) == expected
+
+
+def test_no_swap_limit_where_swap_accounting_is_off() -> None:
+    spec = guaranteed()
+    params = qos_parameters("guaranteed", cpus=1, memory_bytes=spec.memory_bytes, cpu_idle_available=True)
+    assert slot_resources(spec, params, spec.cpus, swap_limit=False).memory_swap_max is None
+
+
+def test_applied_slot_json_round_trip() -> None:
+    applied = AppliedSlot(
+        slot_id="g", qos="guaranteed", cgroup="na.slice/g", cgroup_version="v1",
+        procs_files=("/sys/fs/cgroup/cpuset/na.slice/g/cgroup.procs",), oom_events=None, cpus=F({1}),
+        mems=F({0}), memory_max=MiB, sched_idle=False, oom_score_adj=-997, device_rules=("c 1:3 rw",),
+        resctrl_group="na-g", resctrl_tasks="/sys/fs/resctrl/na-g/tasks",
+    )  # fmt: skip
+    assert AppliedSlot.from_json(applied.to_json()) == applied
+
+
+# --------------------------------------------------------------------------- real kernel
+
+_numbers = itertools.count()
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        number, rest = divmod(number, 36)
+        out = digits[rest] + out
+        if not number:
+            return out
+
+
+@pytest.fixture
+def host() -> CgroupHost:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    found = detect()
+    missing = {"cpuset", "cpu", "memory", "pids", "devices", "freezer"} - set(found.v1_mounts)
+    if found.mode not in ("v1", "hybrid") or missing:
+        pytest.skip(f"these tests describe a cgroup v1/hybrid host; here: {found.mode}, missing {missing}")
+    if not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    return found
+
+
+@pytest.fixture
+def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
+    pid = os.getpid()
+    tag = f"nai{_base36(pid)}{next(_numbers)}"
+    network = SlotNetworkConfig(
+        cidr=f"100.{128 + pid % 64}.0.0/16",
+        netns_prefix=f"natest-{tag}-",
+        veth_prefix=tag,
+        rule_priority=3233,
+    )
+    config = IsolationConfig(
+        cgroup_parent=f"natest{pid}-{next(_numbers)}.slice",
+        network=network,
+        resctrl_prefix=f"natest-{tag}-",
+        resctrl_root=tmp_path / "no-resctrl",
+    )
+    iso = SlotIsolator(host, config, resctrl=Resctrl(root=tmp_path / "no-resctrl"))
+    try:
+        yield iso
+    finally:
+        iso.remove_all()
+        leftovers = [m / config.cgroup_parent for m in (*host.v1_mounts.values(), host.v2_mount) if m]
+        assert not [p for p in leftovers if p.exists()], "cgroups left behind"
+        assert (
+            not [n for n in os.listdir("/run/netns") if n.startswith(network.netns_prefix)]
+            if Path("/run/netns").is_dir()
+            else True
+        )
+
+
+@pytest.fixture
+def start_in() -> Iterator[Callable[[AppliedSlot, str], Child]]:
+    """Start a paused Python child, move it into a slot, then let it run ``code``; killed at the end."""
+    children: list[Child] = []
+
+    def start(applied: AppliedSlot, code: str = "import time\ntime.sleep(60)") -> Child:
+        child = Child(code)
+        children.append(child)
+        for procs in applied.procs_files:
+            Path(procs).write_text(str(child.pid))
+        child.release()
+        return child
+
+    yield start
+    for child in children:
+        child.stop()
+
+
+def status_field(pid: int, name: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"{name} not in /proc/{pid}/status")
+
+
+def cpuset_of(host: CgroupHost, relpath: str) -> str:
+    return (host.v1_mounts["cpuset"] / relpath / "cpuset.cpus").read_text().strip()
+
+
+@pytest.mark.root
+def test_guaranteed_slot_owns_its_cpu_and_the_pool_gives_it_back(
+    isolator: SlotIsolator, host: CgroupHost, start_in
+) -> None:
+    shared = isolator.apply(burstable())
+    neighbour = start_in(shared)
+    assert status_field(neighbour.pid, "Cpus_allowed_list") == "0-1"
+
+    slot = isolator.apply(guaranteed())
+    worker = start_in(slot)
+    assert status_field(worker.pid, "Cpus_allowed_list") == "1"
+    assert status_field(worker.pid, "Mems_allowed_list") == "0"
+    assert status_field(neighbour.pid, "Cpus_allowed_list") == "0"
+    parent = isolator.hierarchy.parent
+    assert cpuset_of(host, f"{parent}/burstable") == "0"
+    assert cpuset_of(host, f"{parent}/best-effort") == "0"
+    memory = host.v1_mounts["memory"] / slot.cgroup
+    assert int((memory / "memory.limit_in_bytes").read_text()) == 128 * MiB
+    assert int((memory / "memory.memsw.limit_in_bytes").read_text()) == 128 * MiB
+    assert slot.oom_score_adj < 0
+
+    isolator.release("g")
+    assert worker.proc.wait(timeout=10) == -9
+    assert status_field(neighbour.pid, "Cpus_allowed_list") == "0-1"
+    assert cpuset_of(host, f"{parent}/best-effort") == "0-1"
+    assert "g" not in isolator.list_owned().cgroups
+    isolator.release("g")  # already gone is fine
+
+
+@pytest.mark.root
+def test_new_shared_slots_start_on_the_pool_only(isolator: SlotIsolator, start_in) -> None:
+    isolator.apply(guaranteed())
+    later = start_in(isolator.apply(burstable("late")))
+    assert status_field(later.pid, "Cpus_allowed_list") == "0"
+
+
+@pytest.mark.root
+def test_resize_moves_the_exclusive_cpu_and_the_pool_follows(
+    isolator: SlotIsolator, host: CgroupHost, start_in
+) -> None:
+    worker = start_in(isolator.apply(guaranteed()))
+    resized = isolator.resize(guaranteed(cpus=F({0})))
+    assert resized.cpus == F({0})
+    assert status_field(worker.pid, "Cpus_allowed_list") == "0"
+    assert cpuset_of(host, isolator.hierarchy.class_parent("burstable")) == "1"
+    neighbour = start_in(isolator.apply(burstable()))
+    assert status_field(neighbour.pid, "Cpus_allowed_list") == "1"
+
+
+@pytest.mark.root
+def test_resize_changes_limits_in_place(isolator: SlotIsolator, host: CgroupHost, start_in) -> None:
+    slot = isolator.apply(guaranteed())
+    worker = start_in(slot)
+    isolator.resize(
+        SlotIsolationSpec("g", "guaranteed", cpus=F({1}), exclusive=True, mems=F({0}), memory_bytes=256 * MiB)
+    )
+    assert int((host.v1_mounts["memory"] / slot.cgroup / "memory.limit_in_bytes").read_text()) == 256 * MiB
+    assert worker.proc.poll() is None
+
+
+@pytest.mark.root
+def test_a_move_that_would_leave_shared_slots_without_a_cpu_is_a_conflict(
+    isolator: SlotIsolator, host: CgroupHost
+) -> None:
+    # Two CPUs, one exclusive and one shared: the pool cannot be cut before the slot lets go.
+    isolator.apply(burstable())
+    isolator.apply(guaranteed())
+    with pytest.raises(Conflict, match="would be left with no CPU"):
+        isolator.resize(guaranteed(cpus=F({0})))
+    assert cpuset_of(host, f"{isolator.hierarchy.parent}/g") == "1"
+    assert cpuset_of(host, f"{isolator.hierarchy.parent}/burstable/b") == "0"
+
+
+@pytest.mark.root
+def test_resizing_a_slot_that_does_not_exist_is_not_found(isolator: SlotIsolator) -> None:
+    with pytest.raises(NotFound, match="apply it first"):
+        isolator.resize(guaranteed())
+
+
+@pytest.mark.root
+def test_a_cpu_held_by_another_guaranteed_slot_is_a_conflict(isolator: SlotIsolator) -> None:
+    isolator.apply(guaranteed("first"))
+    with pytest.raises(Conflict, match="belong to slot first"):
+        isolator.apply(guaranteed("second"))
+    assert "second" not in isolator.list_owned().cgroups
+
+
+@pytest.mark.root
+def test_devices_outside_the_allow_list_are_refused(isolator: SlotIsolator, start_in) -> None:
+    allowed, refused = "/dev/loop0", "/dev/loop1"
+    if not (Path(allowed).exists() and Path(refused).exists()):
+        pytest.skip("needs /dev/loop0 and /dev/loop1")
+    slot = isolator.apply(burstable(device_paths=(allowed,)))
+    code = (
+        "import errno, os\n"
+        f"for path in ('/dev/null', '/dev/urandom', {allowed!r}, {refused!r}):\n"
+        "    try:\n"
+        "        os.close(os.open(path, os.O_RDONLY))\n"
+        "        print(path, 'ok')\n"
+        "    except OSError as err:\n"
+        "        print(path, errno.errorcode[err.errno])\n"
+    )
+    child = start_in(slot, code)
+    rc, out, err = child.finish()
+    assert rc == 0, err
+    assert out.split("\n")[:4] == ["/dev/null ok", "/dev/urandom ok", f"{allowed} ok", f"{refused} EPERM"]
+
+
+@pytest.mark.root
+def test_apply_is_idempotent(isolator: SlotIsolator, host: CgroupHost) -> None:
+    first = isolator.apply(guaranteed(device_paths=("/dev/loop0",)))
+    devices = (host.v1_mounts["devices"] / first.cgroup / "devices.list").read_text()
+    assert isolator.apply(guaranteed(device_paths=("/dev/loop0",))) == first
+    assert (host.v1_mounts["devices"] / first.cgroup / "devices.list").read_text() == devices
+    assert list(isolator.list_owned().cgroups) == ["g"]
+
+
+@pytest.mark.root
+def test_best_effort_class_is_an_idle_group(isolator: SlotIsolator, host: CgroupHost) -> None:
+    slot = isolator.apply(SlotIsolationSpec("e", "best-effort", memory_bytes=64 * MiB))
+    class_parent = host.v1_mounts["cpu"] / isolator.hierarchy.class_parent("best-effort")
+    if not (class_parent / "cpu.idle").exists():
+        pytest.skip("kernel without cpu.idle")
+    assert (class_parent / "cpu.idle").read_text().strip() == "1"
+    assert not slot.sched_idle
+    memory = host.v1_mounts["memory"] / slot.cgroup
+    assert int((memory / "memory.soft_limit_in_bytes").read_text()) == 64 * MiB
+
+
+@pytest.mark.root
+def test_a_missing_device_fails_before_anything_is_created(isolator: SlotIsolator, tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="does not exist"):
+        isolator.apply(guaranteed(device_paths=(str(tmp_path / "nvidia7"),)))
+    assert isolator.list_owned().empty
+
+
+@pytest.mark.root
+def test_l3_without_resctrl_is_unsupported_before_anything_is_created(isolator: SlotIsolator) -> None:
+    with pytest.raises(Unsupported):
+        isolator.apply(burstable(l3=0.5))
+    assert isolator.list_owned().empty
+
+
+@pytest.mark.root
+def test_a_kernel_refusal_rolls_back_the_slot_and_the_pool(isolator: SlotIsolator, host: CgroupHost) -> None:
+    isolator.apply(burstable())
+    bogus_node = max(isolator.pool.layout.nodes) + 7
+    with pytest.raises(CgroupError) as caught:
+        isolator.apply(SlotIsolationSpec("g", "guaranteed", cpus=F({1}), exclusive=True, mems=F({bogus_node}),
+                                         memory_bytes=128 * MiB))  # fmt: skip
+    assert caught.value.errno == errno.EINVAL
+    assert list(isolator.list_owned().cgroups) == ["b"]
+    assert cpuset_of(host, f"{isolator.hierarchy.parent}/burstable/b") == "0-1"
+
+
+@pytest.mark.root
+def test_qos_class_cannot_change_under_the_same_id(isolator: SlotIsolator) -> None:
+    isolator.apply(burstable("same"))
+    with pytest.raises(Conflict, match="cannot change its QoS class"):
+        isolator.apply(guaranteed("same"))
+
+
+@pytest.mark.root
+def test_network_namespace_is_created_and_removed_with_the_slot(isolator: SlotIsolator) -> None:
+    slot = isolator.apply(burstable(network=NetworkRequest(bandwidth_mbit=100)))
+    assert slot.network is not None
+    assert slot.netns_path is not None
+    assert Path(slot.netns_path).exists()
+    assert slot.network.subnet.subnet_of(isolator.config.network.pool)
+    assert isolator.apply(burstable(network=NetworkRequest(bandwidth_mbit=100))).network == slot.network
+    assert isolator.list_owned().network.netns == (slot.network.netns,)
+    isolator.release("b")
+    assert not Path(slot.netns_path).exists()
+    assert isolator.list_owned().network.empty
+
+
+@pytest.mark.root
+def test_remove_orphans_keeps_known_slots(isolator: SlotIsolator, start_in) -> None:
+    isolator.apply(guaranteed("known"))
+    orphan = start_in(isolator.apply(burstable("orphan")))
+    removed = isolator.remove_orphans({"known"})
+    assert dict(removed.cgroups) == {"orphan": f"{isolator.hierarchy.parent}/burstable/orphan"}
+    assert orphan.proc.wait(timeout=10) == -9
+    assert list(isolator.list_owned().cgroups) == ["known"]
+    assert wait_for(lambda: not open_manager(isolator.host, removed.cgroups["orphan"]).exists())
