@@ -1,0 +1,400 @@
+"""The agent's configuration: TOML (``/etc/nodeagent/config.toml`` or ``--config``) into frozen dataclasses.
+
+Every key has a default, so ``nodeagent serve`` with no file runs standalone. The loader is strict:
+an unknown section or key, or a value of the wrong type, is a ConfigError naming the key and the
+file, so a typo never silently falls back to a default. docs/configuration.md lists every key.
+
+::
+
+    config = load_config(Path("/etc/nodeagent/config.toml"))     # missing default file: defaults
+    config = apply_overrides(config, listen="0.0.0.0:7070", state_dir=Path("/tmp/na"))
+    config.api.host, config.api.port, config.token_path, config.placement_options()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent.agent.placement import PlacementOptions
+from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.errors import ConfigError, InvalidRequest
+from nodeagent.isolation.network import SlotNetworkConfig
+
+DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
+DEFAULT_LISTEN = "127.0.0.1:7070"
+ROOT_STATE_DIR = Path("/var/lib/nodeagent")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+# =========================================================================== sections
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    listen: str = DEFAULT_LISTEN  #: HOST:PORT of the REST API; an empty string serves only the unix socket
+    unix_socket: str = ""  #: also serve on this unix socket path ("" = no socket)
+    token_file: str = ""  #: bearer token file; "" = <state dir>/token
+
+    @property
+    def host(self) -> str:
+        return parse_listen(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        return parse_listen(self.listen)[1]
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    dir: str = ""  #: "" = /var/lib/nodeagent as root, else $XDG_STATE_HOME/nodeagent
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    whole_cores: bool = True
+    round_up_to_cores: bool = True
+    distribute_across_numa: bool = False
+    reserved_cpus: str | None = None  #: a cpulist; absent = the first physical core on hosts with >= 4 CPUs
+    use_isolated_cpus: bool = False
+    burstable_overcommit: float = 1.0
+    best_effort_overcommit: float = 4.0
+    shareable_gpus: tuple[str, ...] = ()
+    max_shares_per_gpu: int = 4
+    allowed_devices: tuple[str, ...] = ()
+    shared_devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class IsolationConfig:
+    cgroup_parent: str = "nodeagent.slice"
+    #: Without root (or delegation) no slot can be isolated; allow slots anyway, unisolated, when true.
+    allow_unisolated: bool = False
+    network_cidr: str = "10.231.0.0/16"
+    netns_prefix: str = "na-"
+    veth_prefix: str = "nah"
+    pids_max: int = 4096  #: per-slot pids limit
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    url: str = ""  #: "" = standalone, no reports
+    interval_seconds: float = 30.0
+    node_id: str = ""  #: "" = this host's name
+    timeout_seconds: float = 5.0
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    ignored_xids: tuple[int, ...] = ()  #: NVIDIA Xid errors that do not mark a GPU unhealthy
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    tick_seconds: float = 0.5  #: how often supervision polls workers and runs due probes
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    api: ApiConfig = field(default_factory=ApiConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    #: The file this came from (None: built-in defaults).
+    source: str | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.state.dir) if self.state.dir else default_state_dir()
+
+    @property
+    def token_path(self) -> Path:
+        return Path(self.api.token_file) if self.api.token_file else self.state_dir / "token"
+
+    @property
+    def database_path(self) -> Path:
+        return self.state_dir / "state.db"
+
+    def placement_options(self) -> PlacementOptions:
+        p = self.placement
+        return PlacementOptions(
+            whole_cores=p.whole_cores,
+            round_up_to_cores=p.round_up_to_cores,
+            distribute_across_numa=p.distribute_across_numa,
+            reserved_cpus=None if p.reserved_cpus is None else frozenset(parse_cpulist(p.reserved_cpus)),
+            use_isolated_cpus=p.use_isolated_cpus,
+            burstable_overcommit=p.burstable_overcommit,
+            best_effort_overcommit=p.best_effort_overcommit,
+            shareable_gpus=frozenset(p.shareable_gpus),
+            max_shares_per_gpu=p.max_shares_per_gpu,
+            allowed_devices=frozenset(p.allowed_devices),
+            shared_devices=frozenset(p.shared_devices),
+        )
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "api": ApiConfig,
+    "state": StateConfig,
+    "placement": PlacementConfig,
+    "isolation": IsolationConfig,
+    "controller": ControllerConfig,
+    "gpu": GpuConfig,
+    "workers": WorkersConfig,
+    "log": LogConfig,
+}
+
+
+# =========================================================================== defaults that depend on the host
+
+
+def default_state_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
+    """/var/lib/nodeagent for root; the user's XDG state directory otherwise."""
+    environ = os.environ if env is None else env
+    uid = os.geteuid() if euid is None else euid
+    if uid == 0:
+        return ROOT_STATE_DIR
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "nodeagent"
+    home = environ.get("HOME") or str(Path.home())
+    return Path(home) / ".local" / "state" / "nodeagent"
+
+
+# =========================================================================== value checks
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ConfigError otherwise."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ConfigError(f"listen address {value!r} is not HOST:PORT; e.g. 127.0.0.1:7070 or [::1]:7070")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        _check_ip(host, value)
+    elif ":" in host:
+        raise ConfigError(f"listen address {value!r}: write an IPv6 host in brackets, e.g. [::1]:7070")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ConfigError(f"listen address {value!r}: port {port} is outside 1-65535")
+    return host, port
+
+
+def _check_ip(host: str, value: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"listen address {value!r}: {host!r} is not an IP address") from None
+
+
+def _where(source: str | None, key: str) -> str:
+    return f"{source}: {key}" if source else key
+
+
+def _convert(value: Any, annotation: str, key: str, source: str | None) -> Any:
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{_where(source, key)} is {value!r}; expected {expected}")
+
+    if annotation == "bool":
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if annotation == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("a whole number")
+        return value
+    if annotation == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise bad("a number")
+        return float(value)
+    if annotation in ("str", "str | None"):
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if annotation == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise bad("a list of strings")
+        return tuple(value)
+    if annotation == "tuple[int, ...]":
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise bad("a list of whole numbers")
+        return tuple(value)
+    raise AssertionError(f"no converter for {annotation}")  # pragma: no cover - a new field type
+
+
+def _validate(config: AgentConfig) -> None:
+    """Cross-field and range checks, with the key named."""
+    src = config.source
+    checks: list[tuple[str, bool, str]] = [
+        ("controller.interval_seconds", config.controller.interval_seconds > 0, "a number above 0"),
+        ("controller.timeout_seconds", config.controller.timeout_seconds > 0, "a number above 0"),
+        ("workers.tick_seconds", 0 < config.workers.tick_seconds <= 60, "a number of seconds in (0, 60]"),
+        ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
+        ("log.level", config.log.level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
+        (
+            "controller.url",
+            config.controller.url == "" or config.controller.url.startswith(("http://", "https://")),
+            "an http:// or https:// URL, or an empty string",
+        ),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            value = getattr(getattr(config, key.split(".")[0]), key.split(".")[1])
+            raise ConfigError(f"{_where(src, key)} is {value!r}; expected {expected}")
+    if config.api.listen:
+        try:
+            parse_listen(config.api.listen)
+        except ConfigError as err:
+            raise ConfigError(f"{_where(src, 'api.listen')}: {err}") from None
+    elif not config.api.unix_socket:
+        raise ConfigError(
+            f"{_where(src, 'api.listen')} is empty and api.unix_socket is unset: nothing to serve on"
+        )
+    for key in ("state.dir", "api.token_file", "api.unix_socket"):
+        value = getattr(getattr(config, key.split(".")[0]), key.split(".")[1])
+        if value and not Path(value).is_absolute():
+            raise ConfigError(f"{_where(src, key)} is {value!r}; expected an absolute path")
+    try:
+        config.placement_options()
+        _check_placement(config)
+    except (InvalidRequest, ValueError) as err:
+        raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
+    _check_network(config)
+
+
+def _check_placement(config: AgentConfig) -> None:
+    p = config.placement
+    items = [
+        f"{f.name}={_option_text(getattr(p, f.name))}"
+        for f in dataclasses.fields(p)
+        if getattr(p, f.name) is not None
+    ]
+    # The CLI's parser owns the ranges (ratios, share counts); reuse it so both agree.
+    try:
+        PlacementOptions.from_strings(items)
+    except ConfigError as err:
+        raise ConfigError(f"{_where(config.source, 'placement')}: {err}") from None
+
+
+def _option_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _check_network(config: AgentConfig) -> None:
+    iso = config.isolation
+    try:
+        SlotNetworkConfig(cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix)
+    except ConfigError as err:
+        raise ConfigError(f"{_where(config.source, 'isolation')}: {err}") from None
+
+
+# =========================================================================== loading
+
+
+def parse_config(data: Mapping[str, Any], source: str | None = None) -> AgentConfig:
+    """Build an AgentConfig from decoded TOML; ConfigError names the first bad key."""
+    sections: dict[str, Any] = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(
+                f"{_where(source, name)}: unknown section; known sections: {', '.join(sorted(_SECTIONS))}"
+            )
+        if not isinstance(value, dict):
+            raise ConfigError(f"{_where(source, name)} must be a table ([{name}])")
+        sections[name] = _section(_SECTIONS[name], name, value, source)
+    config = AgentConfig(**sections, source=source)
+    _validate(config)
+    return config
+
+
+def _section(cls: type[Any], name: str, values: Mapping[str, Any], source: str | None) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{_where(source, f'{name}.{key}')}: unknown key; known keys in [{name}]: "
+                f"{', '.join(sorted(fields))}"
+            )
+        kwargs[key] = _convert(value, str(fields[key].type), f"{name}.{key}", source)
+    return cls(**kwargs)
+
+
+def load_config(path: Path | None = None) -> AgentConfig:
+    """Read ``path`` (or the default file, whose absence means defaults); ConfigError on any problem."""
+    explicit = path is not None
+    target = path if path is not None else DEFAULT_CONFIG_PATH
+    try:
+        raw = target.read_bytes()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"config file {target} does not exist; create it or drop --config") from None
+        return parse_config({})
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {target}: {err.strerror}") from err
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{target}: not valid TOML: {err}") from err
+    return parse_config(data, str(target))
+
+
+def apply_overrides(
+    config: AgentConfig, *, listen: str | None = None, state_dir: Path | None = None
+) -> AgentConfig:
+    """The command line wins over the file: ``--listen HOST:PORT`` and ``--state-dir DIR``."""
+    if listen is not None:
+        try:
+            parse_listen(listen)
+        except ConfigError as err:
+            raise ConfigError(f"--listen: {err}") from None
+        config = dataclasses.replace(config, api=dataclasses.replace(config.api, listen=listen))
+    if state_dir is not None:
+        absolute = state_dir.expanduser().absolute()
+        config = dataclasses.replace(config, state=dataclasses.replace(config.state, dir=str(absolute)))
+    return config
+
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "AgentConfig",
+    "ApiConfig",
+    "ControllerConfig",
+    "GpuConfig",
+    "IsolationConfig",
+    "LogConfig",
+    "PlacementConfig",
+    "StateConfig",
+    "WorkersConfig",
+    "apply_overrides",
+    "default_state_dir",
+    "load_config",
+    "parse_config",
+    "parse_listen",
+]

@@ -1,0 +1,190 @@
+"""AgentConfig from TOML: defaults, every section, strict errors naming key and file, CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent.config import (
+    AgentConfig,
+    apply_overrides,
+    default_state_dir,
+    load_config,
+    parse_config,
+    parse_listen,
+)
+from nodeagent.errors import ConfigError
+
+FULL = """
+[api]
+listen = "0.0.0.0:8080"
+unix_socket = "/run/nodeagent.sock"
+token_file = "/etc/nodeagent/token"
+
+[state]
+dir = "/srv/nodeagent"
+
+[placement]
+whole_cores = false
+reserved_cpus = "0-1"
+burstable_overcommit = 1.5
+shareable_gpus = ["0", "GPU-abc"]
+max_shares_per_gpu = 8
+allowed_devices = ["/dev/fuse"]
+
+[isolation]
+cgroup_parent = "inference.slice"
+allow_unisolated = true
+network_cidr = "10.99.0.0/16"
+pids_max = 1024
+
+[controller]
+url = "https://controller.example:8443/v1/nodes"
+interval_seconds = 10
+node_id = "rack4-node17"
+
+[gpu]
+ignored_xids = [13, 31]
+
+[workers]
+tick_seconds = 0.25
+
+[log]
+level = "debug"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_no_file_at_the_default_path_means_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr("nodeagent.agent.config.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    config = load_config()
+    assert config == AgentConfig()
+    assert (config.api.host, config.api.port) == ("127.0.0.1", 7070)
+    assert config.controller.url == ""
+    assert config.token_path == config.state_dir / "token"
+
+
+def test_every_section_is_read(tmp_path: Path) -> None:
+    path = write(tmp_path, FULL)
+    config = load_config(path)
+    assert config.source == str(path)
+    assert (config.api.host, config.api.port) == ("0.0.0.0", 8080)
+    assert config.token_path == Path("/etc/nodeagent/token")
+    assert config.state_dir == Path("/srv/nodeagent")
+    assert config.database_path == Path("/srv/nodeagent/state.db")
+    options = config.placement_options()
+    assert options.whole_cores is False
+    assert options.reserved_cpus == frozenset({0, 1})
+    assert options.burstable_overcommit == 1.5
+    assert options.shareable_gpus == frozenset({"0", "GPU-abc"})
+    assert options.max_shares_per_gpu == 8
+    assert config.isolation.cgroup_parent == "inference.slice"
+    assert config.isolation.allow_unisolated is True
+    assert config.controller.interval_seconds == 10.0
+    assert config.controller.resolved_node_id == "rack4-node17"
+    assert config.gpu.ignored_xids == (13, 31)
+    assert config.workers.tick_seconds == 0.25
+    assert config.log.level == "debug"
+
+
+def test_placement_defaults_match_placement_options() -> None:
+    from nodeagent.agent.placement import PlacementOptions
+
+    assert AgentConfig().placement_options() == PlacementOptions()
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        pytest.param("[apii]\nlisten='x'\n", "apii", id="unknown-section"),
+        pytest.param("[api]\nlisten_on = '1.2.3.4:1'\n", "api.listen_on", id="unknown-key"),
+        pytest.param("[api]\nlisten = 7070\n", "api.listen", id="wrong-type"),
+        pytest.param("[api]\nlisten = 'localhost'\n", "api.listen", id="listen-without-port"),
+        pytest.param("[api]\nlisten = '127.0.0.1:99999'\n", "api.listen", id="port-out-of-range"),
+        pytest.param("[state]\ndir = 'relative/dir'\n", "state.dir", id="relative-state-dir"),
+        pytest.param("[placement]\nwhole_cores = 'yes'\n", "placement.whole_cores", id="bool-as-string"),
+        pytest.param("[placement]\nburstable_overcommit = -1\n", "burstable_overcommit", id="bad-ratio"),
+        pytest.param("[placement]\nreserved_cpus = '0-x'\n", "placement", id="bad-cpulist"),
+        pytest.param("[isolation]\nnetwork_cidr = '10.0.0.0/33'\n", "isolation", id="bad-cidr"),
+        pytest.param("[controller]\nurl = 'ftp://x'\n", "controller.url", id="bad-url"),
+        pytest.param(
+            "[controller]\ninterval_seconds = 0\n", "controller.interval_seconds", id="zero-interval"
+        ),
+        pytest.param("[gpu]\nignored_xids = [13, 'x']\n", "gpu.ignored_xids", id="mixed-list"),
+        pytest.param("[log]\nlevel = 'loud'\n", "log.level", id="bad-level"),
+        pytest.param("api = 3\n", "api", id="section-not-a-table"),
+    ],
+)
+def test_bad_config_names_the_key_and_the_file(tmp_path: Path, text: str, named: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert named in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_invalid_toml_and_missing_explicit_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[api\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_command_line_overrides_win(tmp_path: Path) -> None:
+    config = apply_overrides(load_config(write(tmp_path, FULL)), listen="[::1]:9000", state_dir=tmp_path)
+    assert (config.api.host, config.api.port) == ("::1", 9000)
+    assert config.state_dir == tmp_path
+    assert config.api.token_file == "/etc/nodeagent/token"  # untouched
+    with pytest.raises(ConfigError, match="--listen"):
+        apply_overrides(config, listen="nonsense")
+
+
+@pytest.mark.parametrize(
+    ("env", "euid", "expected"),
+    [
+        pytest.param({}, 0, "/var/lib/nodeagent", id="root"),
+        pytest.param(
+            {"XDG_STATE_HOME": "/home/u/.st", "HOME": "/home/u"}, 1000, "/home/u/.st/nodeagent", id="xdg"
+        ),
+        pytest.param({"HOME": "/home/u"}, 1000, "/home/u/.local/state/nodeagent", id="home"),
+        pytest.param(
+            {"XDG_STATE_HOME": "rel", "HOME": "/home/u"},
+            1000,
+            "/home/u/.local/state/nodeagent",
+            id="relative-xdg-ignored",
+        ),
+    ],
+)
+def test_default_state_dir(env: dict[str, str], euid: int, expected: str) -> None:
+    assert default_state_dir(env, euid) == Path(expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param("127.0.0.1:7070", ("127.0.0.1", 7070), id="v4"),
+        pytest.param("[::]:7070", ("::", 7070), id="v6"),
+        pytest.param("node.example:80", ("node.example", 80), id="name"),
+    ],
+)
+def test_parse_listen(value: str, expected: tuple[str, int]) -> None:
+    assert parse_listen(value) == expected
+
+
+def test_unix_socket_alone_is_enough() -> None:
+    config = parse_config({"api": {"listen": "", "unix_socket": "/run/na.sock"}})
+    assert config.api.unix_socket == "/run/na.sock"
+    with pytest.raises(ConfigError, match="nothing to serve on"):
+        parse_config({"api": {"listen": ""}})
+
+
+def test_example_config_in_docs_loads() -> None:
+    example = Path(__file__).resolve().parents[2] / "docs" / "config.example.toml"
+    config = load_config(example)
+    assert config.api.listen == "127.0.0.1:7070"

@@ -1,0 +1,532 @@
+"""SlotManager with a fake kernel and a fake launcher: sequencing, idempotency, refusals, and
+reconcile of every crash state (pending, releasing, orphans, vanished cgroup, dead worker)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.agent.manager import KernelSlot, SlotManager, UnisolatedKernel
+from nodeagent.agent.placement import Allocated, Assignment
+from nodeagent.agent.service import SlotState
+from nodeagent.agent.state import SlotRecord, StateStore, WorkerRecord
+from nodeagent.devices.synthetic import synthetic_topology
+from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
+from nodeagent.runtime.launch import SlotBinding
+from nodeagent.runtime.process import ExitRecord
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.spec import WorkerSpec
+from nodeagent.runtime.supervisor import SlotCgroup, Supervisor
+
+TOPOLOGY = synthetic_topology(sockets=1, numa_per_socket=2, cores_per_numa=4, threads_per_core=2)
+WORKER = {"command": ["/bin/sleep", "1000"], "restart": "always"}
+
+
+# --------------------------------------------------------------------------- fakes
+
+
+@dataclass
+class FakeProcess:
+    pid: int
+    exit: ExitRecord | None = None
+    signals: list[int] = field(default_factory=list)
+
+    def poll(self, now: float | None = None) -> ExitRecord | None:
+        return self.exit
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        if sig == signal.SIGTERM:
+            self.exit = ExitRecord(None, sig, False, 0.0, "signaled")
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class World:
+    """The kernel and the processes: what survives when the agent (a SlotManager) dies."""
+
+    cgroups: dict[str, dict[str, Any]] = field(default_factory=dict)
+    netns: set[str] = field(default_factory=set)
+    processes: dict[str, FakeProcess] = field(default_factory=dict)
+    launches: list[str] = field(default_factory=list)
+    fail_apply: set[str] = field(default_factory=set)
+    pool: frozenset[int] = frozenset()
+    next_pid: int = 1000
+
+
+class FakeKernel:
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    @property
+    def cgroup_mode(self) -> str:
+        return "v1"
+
+    def degraded(self) -> tuple[str, ...]:
+        return ()
+
+    def prepare(self) -> None:
+        return None
+
+    def apply(self, slot: KernelSlot, applied: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        if slot.name in self.world.fail_apply:
+            raise CgroupError(f"cannot write cpuset of {slot.id}")
+        for other, body in self.world.cgroups.items():
+            if (
+                other != slot.id
+                and slot.assignment.exclusive
+                and set(body["cpus"]) & set(slot.assignment.cpus)
+            ):
+                raise AssertionError(f"CPUs of {slot.id} already held by {other} in the kernel")
+        body: dict[str, Any] = {"cgroup": f"test.slice/{slot.id}", "cpus": list(slot.assignment.cpus)}
+        body["network"] = {"netns": f"na-{slot.id}"} if slot.request.resources.network else None
+        if body["network"]:
+            self.world.netns.add(slot.id)
+        self.world.cgroups[slot.id] = body
+        return body
+
+    def exists(self, slot_id: str, applied: Mapping[str, Any]) -> bool:
+        return slot_id in self.world.cgroups
+
+    def release(self, slot_id: str, applied: Mapping[str, Any] | None) -> None:
+        self.world.cgroups.pop(slot_id, None)
+        self.world.netns.discard(slot_id)
+        process = self.world.processes.get(slot_id)
+        if process is not None and process.exit is None:
+            process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
+
+    def set_shared_pool(self, cpus: frozenset[int]) -> None:
+        self.world.pool = cpus
+
+    def remove_orphans(self, keep: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+        gone = [s for s in self.world.cgroups if s not in keep]
+        for slot_id in gone:
+            self.release(slot_id, None)
+        stray = [n for n in self.world.netns if n not in keep]
+        self.world.netns -= set(stray)
+        return [f"cgroup {s}" for s in gone] + [f"netns {n}" for n in stray]
+
+    def binding(self, slot_id: str, applied: Mapping[str, Any]) -> SlotBinding:
+        return SlotBinding(cgroup_procs=(f"/fake/{slot_id}/cgroup.procs",))
+
+    def slot_cgroup(self, slot_id: str, applied: Mapping[str, Any]) -> SlotCgroup:
+        return FakeCgroup(self.world, slot_id)
+
+
+@dataclass
+class FakeCgroup:
+    world: World
+    slot_id: str
+
+    def kill_all(self, timeout: float) -> None:
+        process = self.world.processes.get(self.slot_id)
+        if process is not None and process.exit is None:
+            process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
+
+    def oom_kill_count(self) -> int:
+        return 0
+
+    def pids(self) -> list[int]:
+        process = self.world.processes.get(self.slot_id)
+        return [process.pid] if process is not None and process.exit is None else []
+
+
+@dataclass
+class FakeLauncher:
+    world: World
+    slot_id: str
+
+    def launch(self, req: LaunchRequest) -> FakeProcess:
+        self.world.next_pid += 1
+        process = FakeProcess(self.world.next_pid)
+        self.world.processes[self.slot_id] = process
+        self.world.launches.append(self.slot_id)
+        return process
+
+
+class FakeRuntime:
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def supervisor(
+        self,
+        slot: KernelSlot,
+        spec: WorkerSpec,
+        binding: SlotBinding,
+        cgroup: SlotCgroup,
+        addresses: Sequence[str],
+    ) -> Supervisor:
+        template = LaunchRequest(launch_id=slot.id, argv=spec.command, env={}, run_dir="/x", log_dir="/x")
+        return Supervisor(spec, template, FakeLauncher(self.world, slot.id), cgroup)
+
+    def readopt(self, slot_id: str, supervisor: Supervisor) -> str:
+        process = self.world.processes.get(slot_id)
+        if process is None:
+            return "none"
+        if process.exit is None:
+            supervisor.resume(process)
+            return "adopted"
+        supervisor.resume_exited(process.exit)
+        return "exited"
+
+    def logs(self, slot_id: str, lines: int) -> list[str]:
+        return [f"{slot_id} line {n}" for n in range(lines)]
+
+    def discard(self, slot_id: str) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+@pytest.fixture
+def make(tmp_path: Path, world: World) -> Iterator[Any]:
+    managers: list[SlotManager] = []
+
+    def build(kernel: Any = None) -> SlotManager:
+        store = StateStore(tmp_path / "state.db")
+        manager = SlotManager(store, TOPOLOGY, kernel or FakeKernel(world), FakeRuntime(world))
+        managers.append(manager)
+        manager.start(supervise=False)
+        return manager
+
+    yield build
+    for manager in managers:
+        manager.close()
+
+
+def guaranteed(name: str = "web", cpus: int = 2, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "qos": "guaranteed", "resources": {"cpus": cpus, "memory": "1Gi", **extra}}
+
+
+def held_cpus(manager: SlotManager) -> list[int]:
+    cpus: list[int] = []
+    for view in manager.list_slots():
+        if view.state in (SlotState.PENDING, SlotState.READY, SlotState.RUNNING, SlotState.RELEASING):
+            assert view.assignment is not None
+            if view.assignment["exclusive"]:
+                cpus += view.assignment["cpus"]
+    return cpus
+
+
+# --------------------------------------------------------------------------- allocate / idempotency
+
+
+def test_allocate_applies_isolation_and_records_ready(make: Any, world: World) -> None:
+    manager = make()
+    result = manager.allocate(guaranteed())
+    assert result.created
+    slot = result.slot
+    assert slot.state is SlotState.READY
+    assert slot.cgroup == f"test.slice/{slot.id}"
+    assert slot.assignment is not None
+    assert len(slot.assignment["cpus"]) == 2
+    assert world.cgroups[slot.id]["cpus"] == slot.assignment["cpus"]
+    assert manager.get_slot("web") == manager.get_slot(slot.id)
+    assert not set(slot.assignment["cpus"]) & world.pool  # exclusive CPUs left the shared pool
+
+
+def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
+    manager = make()
+    first = manager.allocate(guaranteed())
+    again = manager.allocate(guaranteed())
+    assert not again.created
+    assert again.slot.id == first.slot.id
+    with pytest.raises(Conflict, match="different request"):
+        manager.allocate(guaranteed(cpus=4))
+    assert len(manager.list_slots()) == 1
+
+
+def test_placement_refusal_changes_nothing(make: Any, world: World) -> None:
+    manager = make()
+    with pytest.raises(PlacementError):
+        manager.allocate(guaranteed(cpus=64))
+    assert manager.list_slots() == []
+    assert world.cgroups == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"name": "x", "qos": "gold"}, id="bad-qos"),
+        pytest.param({"name": "../x", "qos": "burstable"}, id="bad-name"),
+        pytest.param({**guaranteed(), "worker": {"command": "not-a-list"}}, id="bad-worker"),
+    ],
+)
+def test_invalid_requests_are_refused_before_placement(make: Any, body: dict[str, Any]) -> None:
+    manager = make()
+    with pytest.raises(InvalidRequest):
+        manager.allocate(body)
+    assert manager.list_slots() == []
+
+
+def test_isolation_failure_rolls_back_and_frees_resources(make: Any, world: World) -> None:
+    manager = make()
+    world.fail_apply.add("web")
+    with pytest.raises(CgroupError):
+        manager.allocate(guaranteed(cpus=8))
+    failed = manager.get_slot("web")
+    assert failed.state is SlotState.FAILED
+    assert "isolation failed" in (failed.reason or "")
+    assert world.cgroups == {}
+    # The failed slot holds nothing: the same CPUs go to another slot, and a retry replaces it.
+    assert manager.allocate(guaranteed("other", cpus=8)).created
+    manager.release("other")
+    world.fail_apply.clear()
+    assert manager.allocate(guaranteed(cpus=8)).slot.state is SlotState.READY
+
+
+def test_no_cpu_is_handed_out_twice(make: Any) -> None:
+    manager = make()
+
+    def fill() -> None:
+        for n in range(len(TOPOLOGY.cpus)):
+            manager.allocate(guaranteed(f"s{n}", cpus=2))
+
+    with pytest.raises(PlacementError):  # fill the host until placement says no
+        fill()
+    cpus = held_cpus(manager)
+    assert len(cpus) == len(set(cpus)) >= 8
+
+
+def test_degraded_kernel_refuses_allocation(tmp_path: Path, world: World) -> None:
+    store = StateStore(tmp_path / "db")
+    kernel = UnisolatedKernel(["cgroups are read-only: not root"])
+    manager = SlotManager(store, TOPOLOGY, kernel, FakeRuntime(world))
+    manager.start(supervise=False)
+    try:
+        assert manager.node().degraded == ("cgroups are read-only: not root",)
+        with pytest.raises(Unsupported, match="allow_unisolated"):
+            manager.allocate(guaranteed())
+    finally:
+        manager.close()
+
+
+def test_degraded_kernel_with_unisolated_allowed(tmp_path: Path, world: World) -> None:
+    store = StateStore(tmp_path / "db")
+    manager = SlotManager(
+        store, TOPOLOGY, UnisolatedKernel(["no root"]), FakeRuntime(world), allow_unisolated=True
+    )
+    manager.start(supervise=False)
+    try:
+        slot = manager.allocate(guaranteed()).slot
+        assert slot.state is SlotState.READY
+        assert slot.cgroup is None
+    finally:
+        manager.close()
+
+
+# --------------------------------------------------------------------------- release / resize / workers
+
+
+def test_release_stops_the_worker_and_removes_everything(make: Any, world: World) -> None:
+    manager = make()
+    events: list[int] = []
+    manager.subscribe(lambda: events.append(1))
+    slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
+    assert slot.worker is not None
+    assert slot.worker["phase"] == "running"
+    assert manager.get_slot(slot.id).state is SlotState.RUNNING
+    process = world.processes[slot.id]
+    manager.release(slot.id)
+    assert signal.SIGTERM in process.signals
+    assert world.cgroups == {}
+    assert manager.list_slots() == []
+    assert held_cpus(manager) == []
+    assert events
+    with pytest.raises(NotFound):
+        manager.release(slot.id)
+
+
+def test_resize_replans_and_reapplies(make: Any, world: World) -> None:
+    manager = make()
+    slot = manager.allocate(guaranteed(cpus=2)).slot
+    resized = manager.resize(slot.id, {"cpus": 4})
+    assert resized.assignment is not None
+    assert len(resized.assignment["cpus"]) == 4
+    assert world.cgroups[slot.id]["cpus"] == resized.assignment["cpus"]
+    assert resized.request["resources"]["cpus"] == 4
+    with pytest.raises(PlacementError):
+        manager.resize(slot.id, {"cpus": 64})
+    assert manager.get_slot(slot.id).assignment == resized.assignment
+
+
+def test_resize_rolls_back_when_isolation_fails(make: Any, world: World) -> None:
+    manager = make()
+    slot = manager.allocate(guaranteed(cpus=2)).slot
+    world.fail_apply.add("web")
+    with pytest.raises(CgroupError):
+        manager.resize(slot.id, {"cpus": 4})
+    assert manager.get_slot(slot.id).assignment == slot.assignment
+    assert len(held_cpus(manager)) == 2
+
+
+def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
+    manager = make()
+    slot = manager.allocate(guaranteed()).slot
+    with pytest.raises(InvalidRequest, match="no worker"):
+        manager.start_worker(slot.id, None)
+    view = manager.start_worker(slot.id, {"command": ["/bin/true"], "restart": "never"})
+    assert view.state is SlotState.RUNNING
+    world.processes[slot.id].exit = ExitRecord(1, None, False, 0.0, "exited")
+    manager.tick()
+    view = manager.get_slot(slot.id)
+    assert view.state is SlotState.READY
+    assert view.worker is not None
+    assert view.worker["phase"] == "failed"
+    assert view.worker["last_exit"]["code"] == 1
+    assert manager.logs(slot.id, 2) == [f"{slot.id} line 0", f"{slot.id} line 1"]
+
+
+def test_stop_worker(make: Any, world: World) -> None:
+    manager = make()
+    slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
+    view = manager.stop_worker(slot.id)
+    assert view.worker is not None
+    assert view.worker["phase"] == "stopped"
+    assert signal.SIGTERM in world.processes[slot.id].signals
+
+
+# --------------------------------------------------------------------------- reconcile after a crash
+
+
+def crash_with(tmp_path: Path, *records: SlotRecord) -> None:
+    """Write the database as a crashed agent would have left it."""
+    store = StateStore(tmp_path / "state.db")
+    for record in records:
+        store.insert_slot(record)
+    store.close()
+
+
+def planned(name: str, state: str, slot_id: str) -> SlotRecord:
+    from nodeagent.agent.placement import plan
+    from nodeagent.agent.request import parse_slot_request, request_to_dict
+
+    req = parse_slot_request(guaranteed(name))
+    assignment = plan(TOPOLOGY, Allocated(), req)
+    return SlotRecord(slot_id, name, "guaranteed", request_to_dict(req), assignment.to_dict(), state)
+
+
+def test_reconcile_finishes_a_pending_slot(tmp_path: Path, make: Any, world: World) -> None:
+    crash_with(tmp_path, planned("web", "pending", "sa"))
+    manager = make()
+    assert manager.report.finished_pending == ["web"]
+    assert manager.get_slot("sa").state is SlotState.READY
+    assert "sa" in world.cgroups
+    assert manager.ready()
+    again = manager.allocate(guaranteed("web"))  # the client's retry finds it
+    assert (again.created, again.slot.id) == (False, "sa")
+
+
+def test_reconcile_fails_a_pending_slot_that_cannot_be_applied(
+    tmp_path: Path, make: Any, world: World
+) -> None:
+    crash_with(tmp_path, planned("web", "pending", "sa"))
+    world.fail_apply.add("web")
+    manager = make()
+    assert manager.report.failed == ["web"]
+    assert manager.get_slot("sa").state is SlotState.FAILED
+    assert world.cgroups == {}
+    assert held_cpus(manager) == []
+
+
+def test_reconcile_finishes_a_release(tmp_path: Path, make: Any, world: World) -> None:
+    crash_with(tmp_path, planned("web", "releasing", "sa"))
+    world.cgroups["sa"] = {"cgroup": "test.slice/sa", "cpus": []}
+    manager = make()
+    assert manager.report.finished_releasing == ["web"]
+    assert manager.list_slots() == []
+    assert world.cgroups == {}
+
+
+def test_reconcile_removes_orphans(tmp_path: Path, make: Any, world: World) -> None:
+    crash_with(tmp_path, planned("web", "ready", "sa"))
+    world.cgroups["sa"] = {"cgroup": "test.slice/sa", "cpus": []}
+    world.cgroups["sorphan"] = {"cgroup": "test.slice/sorphan", "cpus": []}
+    world.netns.add("sgone")
+    manager = make()
+    assert sorted(manager.report.orphans_removed) == ["cgroup sorphan", "netns sgone"]
+    assert set(world.cgroups) == {"sa"}
+    assert world.netns == set()
+    assert [e["kind"] for e in manager.events()][-1] == "reconcile"
+
+
+def test_reconcile_recreates_a_vanished_cgroup(tmp_path: Path, make: Any, world: World) -> None:
+    crash_with(tmp_path, planned("web", "ready", "sa"))
+    manager = make()
+    assert manager.report.recreated == ["web"]
+    assert "sa" in world.cgroups
+    assert manager.get_slot("sa").state is SlotState.READY
+
+
+def test_restart_readopts_a_live_worker(make: Any, world: World) -> None:
+    first = make()
+    slot = first.allocate({**guaranteed(), "worker": WORKER}).slot
+    pid = world.processes[slot.id].pid
+    first.close()  # the agent goes away; the worker does not
+    second = make()
+    assert second.report.workers_adopted == ["web"]
+    view = second.get_slot(slot.id)
+    assert view.worker is not None
+    assert view.worker["pid"] == pid
+    assert world.launches == [slot.id]  # not launched twice
+
+
+def test_restart_applies_the_restart_policy_to_a_dead_worker(make: Any, world: World) -> None:
+    first = make()
+    slot = first.allocate({**guaranteed(), "worker": WORKER}).slot
+    first.close()
+    world.processes[slot.id].exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
+    second = make()
+    assert second.report.workers_exited == ["web"]
+    view = second.get_slot(slot.id)
+    assert view.worker is not None
+    assert view.worker["phase"] == "backoff"
+    assert view.worker["last_exit"]["signal"] == signal.SIGKILL
+
+
+def test_restart_launches_a_worker_that_was_never_launched(tmp_path: Path, make: Any, world: World) -> None:
+    crash_with(tmp_path, planned("web", "ready", "sa"))
+    store = StateStore(tmp_path / "state.db")
+    store.put_worker(WorkerRecord(slot_id="sa", spec=WORKER))
+    store.close()
+    world.cgroups["sa"] = {"cgroup": "test.slice/sa", "cpus": []}
+    manager = make()
+    assert manager.report.workers_started == ["web"]
+    assert world.launches == ["sa"]
+
+
+def test_ledger_is_rebuilt_from_the_database(tmp_path: Path, make: Any) -> None:
+    first = make()
+    first.allocate(guaranteed("a", cpus=4))
+    first.close()
+    second = make()
+    cpus_a = second.get_slot("a").assignment
+    assert cpus_a is not None
+    b = second.allocate(guaranteed("b", cpus=4)).slot
+    assert b.assignment is not None
+    assert not set(cpus_a["cpus"]) & set(b.assignment["cpus"])
+    capacity = second.capacity()
+    assert capacity["resources"]["cpus"]["allocated"] == 8
+    assert capacity["slots"]["ready"] == 2
+
+
+def test_assignment_round_trip_is_what_the_ledger_reads() -> None:
+    record = planned("web", "ready", "sa")
+    assert record.assignment is not None
+    assert Assignment.from_dict(record.assignment).to_dict() == record.assignment
