@@ -1,0 +1,753 @@
+"""The REST API: a thin HTTP shell over the slot service (``agent.service.SlotService``).
+
+Paths (JSON; versioned under /v1)::
+
+    GET    /v1/node                    who this agent is, and what it cannot isolate here
+    GET    /v1/topology                nodeagent.topology/v1
+    GET    /v1/capacity                total/reserved/allocatable/allocated/free per resource and NUMA node
+    GET    /v1/slots                   {"slots": [Slot, ...]}
+    POST   /v1/slots                   allocate: 201 created; 200 the same request again (idempotent
+                                       by name); 409 a different request under an existing name
+    GET    /v1/slots/{id}              by id or name
+    PATCH  /v1/slots/{id}              {"resources": {...partial...}} -> resize in place
+    DELETE /v1/slots/{id}              release: 204, no body
+    POST   /v1/slots/{id}/worker       start its worker (optional WorkerSpec body) -> Slot
+    DELETE /v1/slots/{id}/worker       stop its worker -> Slot
+    GET    /v1/slots/{id}/logs?lines=N the last N (1..10000, default 100) lines of worker output
+    GET    /healthz                    the process answers (no token)
+    GET    /readyz                     503 until start-up reconciliation is done (no token)
+    GET    /metrics                    Prometheus text (token unless ``metrics_auth=False``)
+    GET    /openapi.json               this API's description (no token: it is published in docs/)
+
+Authentication: ``Authorization: Bearer <token>`` (the agent's token file), compared in constant
+time; a missing or wrong token is 401 with ``WWW-Authenticate: Bearer``, checked before the body is
+read. Scrapers that cannot send a token get /metrics open with ``metrics_auth=False``.
+
+Errors always have the body ``{"error": {"code": str, "message": str}}``. Status rule:
+
+- 400 ``malformed_json``: the body could not be read as JSON;
+- 401 ``unauthenticated``; 404 ``not_found`` (unknown slot or route); 405 ``method_not_allowed``;
+- 409 ``conflict`` (the name is taken by a different request) or ``does_not_fit`` (placement);
+- 413 ``body_too_large`` (over ``max_body_bytes``, 1 MiB by default);
+- 415 ``unsupported_media_type``: a body sent without ``Content-Type: application/json``;
+- 422 the body or a parameter was read but is not acceptable: wrong types, unknown fields, values
+  out of range, unknown devices (``invalid_request``), or a feature the host lacks (``unsupported``);
+- 500 the kernel or a worker refused (``kernel_error``, ``cgroup_error``, ``worker_error``, ...);
+- 503 ``not_ready``: changes are refused until start-up reconciliation is done (reads still work).
+
+The request models below check shapes (types, unknown fields) and document them; the service stays
+the authority on values, so its messages (which name the field and the allowed range) reach the
+client unchanged. The API is transport-agnostic: ``nodeagent serve`` runs it on TCP or a unix socket.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal, cast
+
+from fastapi import Body, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nodeagent import __version__
+from nodeagent.agent.metrics import Metrics
+from nodeagent.agent.request import (
+    MAX_BANDWIDTH_MBIT,
+    MAX_CPUS,
+    MAX_DEVICES,
+    MAX_MEMORY_BYTES,
+    NAME_PATTERN,
+)
+from nodeagent.agent.service import SlotService, SlotView
+from nodeagent.devices.topology import topology_to_dict
+from nodeagent.errors import (
+    ConfigError,
+    Conflict,
+    InvalidRequest,
+    NodeAgentError,
+    NotFound,
+    PlacementError,
+    Unsupported,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1024 * 1024
+MAX_LOG_LINES = 10_000
+DEFAULT_LOG_LINES = 100
+#: Slot ids and names become cgroup and netns names: the same safe identifier everywhere.
+SLOT_ID_PATTERN = f"^{NAME_PATTERN.pattern}$"
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
+
+
+class NotReady(NodeAgentError):
+    code = "not_ready"
+
+
+#: First match wins, so subclasses come before their bases.
+_STATUS_BY_ERROR: tuple[tuple[type[NodeAgentError], int], ...] = (
+    (NotReady, 503),
+    (InvalidRequest, 422),
+    (ConfigError, 422),
+    (Unsupported, 422),
+    (NotFound, 404),
+    (PlacementError, 409),
+    (Conflict, 409),
+)
+_CODE_BY_STATUS = {
+    400: "malformed_json",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    503: "not_ready",
+}
+
+
+def status_for(err: NodeAgentError) -> int:
+    """The HTTP status of one of the project's errors (see the module docstring for the rule)."""
+    for cls, status in _STATUS_BY_ERROR:
+        if isinstance(err, cls):
+            return status
+    return 500
+
+
+def error_response(
+    status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+# --------------------------------------------------------------------------- request/response models
+
+
+class _Strict(BaseModel):
+    # strict: no silent coercion ("2" is not 2, true is not 1); forbid: unknown fields are errors;
+    # NaN and Infinity (which Python's JSON parser accepts) are never a resource amount.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class NetworkModel(_Strict):
+    bandwidth_mbit: int | None = Field(
+        default=None,
+        description="Egress shaping of the slot's network namespace, in Mbit/s.",
+        json_schema_extra={"minimum": 1, "maximum": MAX_BANDWIDTH_MBIT},
+    )
+
+
+_MAXIMUM = {"cpus": MAX_CPUS, "gpu_share": 1, "memory": MAX_MEMORY_BYTES}
+
+
+class ResourcesModel(_Strict):
+    """What a slot asks for. Omitted fields take their defaults."""
+
+    cpus: int | float | str = Field(
+        default=0,
+        description="CPUs. Guaranteed slots: a whole number of exclusive CPUs (whole physical cores). "
+        'Burstable and best-effort: a quota on the shared pool, with up to 3 decimals or "500m".',
+        json_schema_extra={"minimum": 0, "maximum": MAX_CPUS},
+    )
+    memory: int | str = Field(
+        default=0,
+        description='Memory limit: bytes, or a quantity such as "512Mi", "4Gi", "1G".',
+        json_schema_extra={"minimum": 0, "maximum": MAX_MEMORY_BYTES},
+    )
+    gpus: int = Field(
+        default=0,
+        description="Whole GPUs, or MIG instances when gpu_profile is set.",
+        json_schema_extra={"minimum": 0, "maximum": MAX_DEVICES},
+    )
+    gpu_profile: str | None = Field(default=None, description='A MIG profile such as "1g.10gb".')
+    gpu_share: int | float | str = Field(
+        default=0,
+        description="A fraction of one shareable GPU (0 to 1); not combined with gpus.",
+        json_schema_extra={"minimum": 0, "maximum": 1},
+    )
+    fpgas: int = Field(default=0, json_schema_extra={"minimum": 0, "maximum": MAX_DEVICES})
+    devices: list[str] = Field(
+        default_factory=list,
+        description="Device paths under /dev the slot may use (they must be in the agent's allow-list).",
+        json_schema_extra={"maxItems": MAX_DEVICES},
+    )
+    numa: Literal["single", "prefer", "none"] | None = Field(
+        default=None,
+        description="single: CPUs, memory and devices on one NUMA node (or refuse); prefer (default): "
+        "one node when possible; none: anywhere.",
+    )
+    network: NetworkModel | None = Field(default=None, description="null: no network namespace of its own.")
+    l3: float | None = Field(
+        default=None,
+        description="A share of the L3 cache (resctrl), above 0 and at most 1.",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
+    )
+
+    @field_validator("cpus", "gpu_share", "memory")
+    @classmethod
+    def _in_range(cls, value: int | float | str, info: ValidationInfo) -> int | float | str:
+        # Bounded here too: a number such as 1e308 must never reach arithmetic that overflows.
+        maximum = _MAXIMUM[str(info.field_name)]
+        if isinstance(value, int | float) and not 0 <= value <= maximum:
+            raise ValueError(f"must be from 0 to {maximum}")
+        return value
+
+
+class ResourcesPatchModel(ResourcesModel):
+    """Only the fields given change; the others keep the slot's current values."""
+
+
+WORKER_DESCRIPTION = (
+    "A WorkerSpec: command (argv list), env, workdir, user/group, restart (never | on-failure | "
+    "always), readiness/liveness probes (http {port, path} | tcp {port} | exec {argv}), "
+    "stop_grace_seconds, and presets for known servers. Validated by the agent's runtime."
+)
+
+
+class SlotRequestModel(_Strict):
+    """A slot request. ``name`` is unique on the node and is the idempotency key."""
+
+    name: str = Field(
+        description="1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit.",
+        json_schema_extra={"pattern": SLOT_ID_PATTERN},
+    )
+    qos: Literal["guaranteed", "burstable", "best-effort"]
+    resources: ResourcesModel = Field(default_factory=ResourcesModel)
+    worker: dict[str, Any] | None = Field(default=None, description=WORKER_DESCRIPTION)
+
+
+class ResizeModel(_Strict):
+    resources: ResourcesPatchModel
+
+
+class SlotModel(BaseModel):
+    id: str
+    name: str
+    qos: str
+    state: Literal["pending", "ready", "running", "releasing", "failed"]
+    request: dict[str, Any]
+    assignment: dict[str, Any] | None = Field(
+        description="Which CPUs, NUMA nodes, memory and devices it got."
+    )
+    cgroup: str | None
+    network: dict[str, Any] | None
+    worker: dict[str, Any] | None = Field(description="phase, pid, restarts, last exit, message")
+    reason: str | None = Field(description="Why it failed, when state is failed.")
+    created_at: float
+    updated_at: float
+
+
+class SlotListModel(BaseModel):
+    slots: list[SlotModel]
+
+
+class LogsModel(BaseModel):
+    id: str
+    lines: list[str]
+
+
+class NodeModel(BaseModel):
+    node_id: str
+    hostname: str
+    agent_version: str
+    started_at: float
+    cgroup_mode: str
+    degraded: list[str] = Field(description="What this agent cannot isolate on this host, and why.")
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorModel(BaseModel):
+    error: ErrorDetail
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorModel} for status in statuses}
+
+
+_READ_ERRORS = _errors(401, 404, 422)
+_WRITE_ERRORS = _errors(400, 401, 404, 409, 413, 415, 422, 500, 503)
+
+SlotId = Annotated[
+    str,
+    Path(
+        pattern=SLOT_ID_PATTERN,
+        max_length=63,
+        description="The slot's id or name.",
+        examples=["llm-a"],
+    ),
+]
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    service: SlotService,
+    *,
+    token: str,
+    metrics: Metrics | None = None,
+    metrics_auth: bool = True,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The agent's ASGI app over ``service``; every /v1 path and (by default) /metrics need ``token``."""
+    if not token.strip():
+        raise ConfigError("the API needs a non-empty token; the agent keeps it in <state dir>/token")
+    if metrics is None:
+        metrics = Metrics(service)
+    app = FastAPI(
+        title="nodeagent",
+        version=__version__,
+        summary="Per-host agent: isolated slots of CPUs, NUMA memory and accelerators for inference workers.",
+        docs_url=None,
+        redoc_url=None,
+    )
+    _add_routes(app, service, metrics)
+    _add_error_handlers(app)
+    public = PUBLIC_PATHS if metrics_auth else PUBLIC_PATHS | {"/metrics"}
+    # Added innermost first: requests meet latency timing, then the token check, then the size limit.
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_BearerAuth, token=token, public_paths=public)
+    app.add_middleware(_Timing, metrics=metrics)
+    _document_auth(app, public)
+    return app
+
+
+def _slot_json(slot: SlotView, status: int = 200, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(slot.to_dict(), status_code=status, headers=headers)
+
+
+def _require_ready(service: SlotService) -> None:
+    if not service.ready():
+        raise NotReady(
+            "the agent is still reconciling its state with the kernel after start-up; retry in a moment"
+        )
+
+
+def _add_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> None:
+    _add_node_routes(app, service, metrics)
+    _add_slot_routes(app, service)
+
+
+def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> None:
+    @app.get("/healthz", tags=["health"], summary="The process is alive")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="Ready to accept work", responses=_errors(503))
+    def readyz() -> JSONResponse:
+        if not service.ready():
+            return error_response(503, "not_ready", "start-up reconciliation is still running")
+        return JSONResponse({"status": "ready"})
+
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}, **_errors(401)},
+    )
+    def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/node", tags=["node"], response_model=NodeModel, responses=_errors(401))
+    def node() -> JSONResponse:
+        return JSONResponse(service.node().to_dict())
+
+    @app.get(
+        "/v1/topology",
+        tags=["node"],
+        summary="Hardware topology (nodeagent.topology/v1)",
+        response_model=dict[str, Any],
+        responses=_errors(401),
+    )
+    def topology() -> JSONResponse:
+        return JSONResponse(topology_to_dict(service.topology()))
+
+    @app.get(
+        "/v1/capacity",
+        tags=["node"],
+        summary="Total, reserved, allocatable, allocated and free per resource and NUMA node",
+        response_model=dict[str, Any],
+        responses=_errors(401),
+    )
+    def capacity() -> JSONResponse:
+        return JSONResponse(service.capacity())
+
+
+def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
+    @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=_errors(401))
+    def list_slots() -> JSONResponse:
+        return JSONResponse({"slots": [s.to_dict() for s in service.list_slots()]})
+
+    @app.post(
+        "/v1/slots",
+        tags=["slots"],
+        summary="Allocate a slot (idempotent by name)",
+        status_code=201,
+        response_model=SlotModel,
+        responses={
+            **_WRITE_ERRORS,
+            200: {"model": SlotModel, "description": "The same request again: the existing slot"},
+        },
+    )
+    def allocate(body: SlotRequestModel) -> JSONResponse:
+        _require_ready(service)
+        result = service.allocate(body.model_dump(exclude_unset=True))
+        if not result.created:
+            return _slot_json(result.slot)
+        return _slot_json(result.slot, 201, {"Location": f"/v1/slots/{result.slot.id}"})
+
+    @app.get("/v1/slots/{slot_id}", tags=["slots"], response_model=SlotModel, responses=_READ_ERRORS)
+    def get_slot(slot_id: SlotId) -> JSONResponse:
+        return _slot_json(service.get_slot(slot_id))
+
+    @app.patch(
+        "/v1/slots/{slot_id}",
+        tags=["slots"],
+        summary="Resize a slot in place",
+        response_model=SlotModel,
+        responses=_WRITE_ERRORS,
+    )
+    def resize(slot_id: SlotId, body: ResizeModel) -> JSONResponse:
+        _require_ready(service)
+        return _slot_json(service.resize(slot_id, body.resources.model_dump(exclude_unset=True)))
+
+    @app.delete(
+        "/v1/slots/{slot_id}",
+        tags=["slots"],
+        summary="Release a slot: stop its worker, remove its kernel objects, free its resources",
+        status_code=204,
+        response_class=Response,
+        responses=_WRITE_ERRORS,
+    )
+    def release(slot_id: SlotId) -> Response:
+        _require_ready(service)
+        service.release(slot_id)
+        return Response(status_code=204)
+
+    _add_worker_routes(app, service)
+
+
+def _add_worker_routes(app: FastAPI, service: SlotService) -> None:
+    @app.post(
+        "/v1/slots/{slot_id}/worker",
+        tags=["workers"],
+        summary="Start the slot's worker (the body's spec, or the one in its request)",
+        response_model=SlotModel,
+        responses=_WRITE_ERRORS,
+    )
+    def start_worker(
+        slot_id: SlotId,
+        spec: Annotated[dict[str, Any] | None, Body(description=WORKER_DESCRIPTION)] = None,
+    ) -> JSONResponse:
+        _require_ready(service)
+        return _slot_json(service.start_worker(slot_id, spec))
+
+    @app.delete(
+        "/v1/slots/{slot_id}/worker",
+        tags=["workers"],
+        summary="Stop the slot's worker (the slot stays)",
+        response_model=SlotModel,
+        responses=_WRITE_ERRORS,
+    )
+    def stop_worker(slot_id: SlotId) -> JSONResponse:
+        _require_ready(service)
+        return _slot_json(service.stop_worker(slot_id))
+
+    @app.get(
+        "/v1/slots/{slot_id}/logs",
+        tags=["workers"],
+        summary="The last lines of the worker's output (stdout and stderr interleaved)",
+        response_model=LogsModel,
+        responses=_READ_ERRORS,
+    )
+    def logs(
+        slot_id: SlotId, lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = DEFAULT_LOG_LINES
+    ) -> JSONResponse:
+        slot = service.get_slot(slot_id)
+        return JSONResponse({"id": slot.id, "lines": service.logs(slot.id, lines)})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(NodeAgentError, _on_agent_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_agent_error(_request: Request, err: NodeAgentError) -> JSONResponse:
+    status = status_for(err)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    if status >= 500:
+        log.error("api: %s: %s", err.code, err)
+    return error_response(status, err.code, str(err), headers)
+
+
+async def _on_validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+    problems = list(err.errors())
+    if any(p.get("type") == "json_invalid" for p in problems):
+        return error_response(400, "malformed_json", "the body is not valid JSON; send a JSON object")
+    if any(tuple(p.get("loc", ())) == ("body",) and isinstance(p.get("input"), bytes) for p in problems):
+        # FastAPI parses a body as JSON only when the request says so (a CSRF guard).
+        return error_response(
+            415, "unsupported_media_type", "send the body as JSON with 'Content-Type: application/json'"
+        )
+    return error_response(422, "invalid_request", describe_validation_errors(problems))
+
+
+async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+    code = _CODE_BY_STATUS.get(err.status_code, "http_error")
+    message = {
+        404: "no such path; see /openapi.json for this API's paths",
+        405: "this path does not take that method",
+    }.get(err.status_code, str(err.detail))
+    return error_response(err.status_code, code, message, err.headers)
+
+
+async def _on_unexpected(_request: Request, err: Exception) -> JSONResponse:
+    # Not one of ours: a bug. The traceback goes to the log; the client gets no internals.
+    log.error("api: unexpected %s", type(err).__name__, exc_info=err)
+    return error_response(500, "internal", "internal error in the agent; see its log")
+
+
+def describe_validation_errors(problems: Sequence[Mapping[str, Any]], limit: int = 3) -> str:
+    """One line naming each bad field: ``body.resources.cpus: must be from 0 to 16384 (got 1e+308)``.
+
+    A value that matches no member of a union (``int | float | str``) gives one error per member;
+    those are merged into one entry per field.
+    """
+    merged: dict[tuple[str, str], list[str]] = {}
+    for p in problems:
+        loc = [str(x) for x in p.get("loc", ()) if not str(x).startswith("function-")]
+        shown = (
+            _shown(p["input"]) if "input" in p and p.get("type") not in ("missing", "extra_forbidden") else ""
+        )
+        where = ".".join(loc)
+        if len(loc) > 1 and _is_union_member(loc[-1]) and shown:
+            where = ".".join(loc[:-1])
+        merged.setdefault((where, shown), []).append(
+            str(p.get("msg", "invalid")).removeprefix("Value error, ")
+        )
+    parts = []
+    for (where, shown), messages in list(merged.items())[:limit]:
+        text = f"{where}: {' or '.join(dict.fromkeys(messages))}"
+        parts.append(f"{text} (got {shown})" if shown else text)
+    if len(merged) > limit:
+        parts.append(f"and {len(merged) - limit} more")
+    return "; ".join(parts)
+
+
+def _is_union_member(tag: str) -> bool:
+    """pydantic tags errors inside a union with the member's type: int, float, str, literal[...], a model."""
+    return tag in ("int", "float", "str", "bool", "none") or tag.startswith("literal[") or tag[:1].isupper()
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=repr) if not isinstance(value, bytes) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------- middleware
+
+
+class _BodyLimit:
+    """Reads the body up to ``max_bytes`` (413 beyond), then hands it on unchanged."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the body is larger than {self.max_bytes} bytes; slot requests are a few KiB"
+        await error_response(413, "body_too_large", message, {"Connection": "close"})(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return str(value.decode("latin-1").strip())
+    return None
+
+
+class _BearerAuth:
+    def __init__(self, app: ASGIApp, token: str, public_paths: frozenset[str]) -> None:
+        self.app = app
+        self.token = token.encode()
+        self.public_paths = public_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.public_paths:
+            await self.app(scope, receive, send)
+            return
+        problem = self._problem(_header(scope, b"authorization"))
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        message, challenge = problem
+        response = error_response(401, "unauthenticated", message, {"WWW-Authenticate": challenge})
+        await response(scope, receive, send)
+
+    def _problem(self, header: str | None) -> tuple[str, str] | None:
+        if not header:
+            return (
+                "missing bearer token; send 'Authorization: Bearer <token>' with the token from the "
+                "agent's token file (<state dir>/token)",
+                'Bearer realm="nodeagent"',
+            )
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return "the Authorization header must be 'Bearer <token>'", 'Bearer realm="nodeagent"'
+        if not hmac.compare_digest(given.strip().encode(), self.token):
+            return (
+                "the bearer token does not match this agent's token; read it from the agent's token file",
+                'Bearer realm="nodeagent", error="invalid_token"',
+            )
+        return None
+
+
+class _Timing:
+    """Records each request's latency by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = _route_template(scope)
+            self.metrics.observe_request(scope["method"], route, status, time.perf_counter() - start)
+
+
+def _route_template(scope: Scope) -> str:
+    """The matched path template (``/v1/slots/{slot_id}``), never the raw path: labels stay bounded."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(path, str):
+        return path
+    # Rejected before routing (401, 413): find the template the path would have matched.
+    app = scope.get("app")
+    for candidate in getattr(app, "routes", ()):
+        match, _ = candidate.matches({**scope, "type": "http"})
+        if match != Match.NONE:
+            return str(candidate.path)
+    return "unmatched"
+
+
+def _document_auth(app: FastAPI, public: frozenset[str]) -> None:
+    """Add the bearer scheme to the OpenAPI document (auth itself is enforced by middleware)."""
+    build: Callable[[], dict[str, Any]] = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {})
+        components.setdefault("securitySchemes", {})["bearerAuth"] = {"type": "http", "scheme": "bearer"}
+        schema["security"] = [{"bearerAuth": []}]
+        for path, operations in schema.get("paths", {}).items():
+            if path in public:
+                for operation in operations.values():
+                    operation["security"] = []
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- python -m
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m nodeagent.agent.api --openapi``: print the OpenAPI document (for docs/openapi.json)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args != ["--openapi"]:
+        print("usage: python -m nodeagent.agent.api --openapi > docs/openapi.json", file=sys.stderr)
+        return 2
+    print(openapi_document())
+    return 0
+
+
+def openapi_document() -> str:
+    """The OpenAPI document as published in docs/openapi.json (stable key order, trailing newline)."""
+    app = create_app(cast(SlotService, _NoService()), token=secrets.token_urlsafe())
+    return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
+
+
+class _NoService:
+    """Enough of a service to build the app's routes; never called while generating the document."""
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        raise NodeAgentError(f"no service behind the API document generator (asked for {name})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

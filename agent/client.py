@@ -1,0 +1,247 @@
+"""The CLI's HTTP client for the agent's REST API.
+
+Where to find the agent: ``--api`` / ``NODEAGENT_API`` (default http://127.0.0.1:7070) and the token
+in ``--token-file`` / ``NODEAGENT_TOKEN_FILE`` (default: ``<state dir>/token``, the file
+``nodeagent serve`` writes on first start). Errors come back as the project's errors carrying the
+server's message: the API's ``error.code`` picks the class (``does_not_fit`` -> PlacementError,
+``not_found`` -> NotFound, ...), so the CLI prints them as it prints local errors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from nodeagent.agent.config import default_state_dir
+from nodeagent.agent.request import NAME_PATTERN
+from nodeagent.errors import (
+    CgroupError,
+    ConfigError,
+    Conflict,
+    DeviceAccessError,
+    DiscoveryError,
+    InvalidRequest,
+    KernelError,
+    NetworkError,
+    NodeAgentError,
+    NotFound,
+    PlacementError,
+    Unsupported,
+    WorkerError,
+)
+
+DEFAULT_API = "http://127.0.0.1:7070"
+API_ENV = "NODEAGENT_API"
+TOKEN_FILE_ENV = "NODEAGENT_TOKEN_FILE"  # noqa: S105 - the name of a variable, not a secret
+DEFAULT_TIMEOUT_SECONDS = 60.0
+
+
+class AgentUnreachable(NodeAgentError):
+    """The agent's API could not be reached (not running, wrong address, timed out)."""
+
+    code = "unreachable"
+
+
+_ERRORS_BY_CODE: dict[str, type[NodeAgentError]] = {
+    cls.code: cls
+    for cls in (
+        ConfigError,
+        InvalidRequest,
+        DiscoveryError,
+        PlacementError,
+        NotFound,
+        Conflict,
+        KernelError,
+        CgroupError,
+        DeviceAccessError,
+        NetworkError,
+        Unsupported,
+        WorkerError,
+    )
+}
+_ERRORS_BY_STATUS: dict[int, type[NodeAgentError]] = {
+    400: InvalidRequest,
+    401: ConfigError,
+    404: NotFound,
+    409: Conflict,
+    413: InvalidRequest,
+    415: InvalidRequest,
+    422: InvalidRequest,
+}
+
+
+def default_token_file() -> Path:
+    return default_state_dir() / "token"
+
+
+def resolve_api(api: str | None) -> str:
+    return (api or os.environ.get(API_ENV) or DEFAULT_API).rstrip("/")
+
+
+def resolve_token_file(token_file: Path | None) -> Path:
+    if token_file is not None:
+        return token_file
+    from_env = os.environ.get(TOKEN_FILE_ENV)
+    return Path(from_env) if from_env else default_token_file()
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in ``path``; ConfigError saying what to do when it cannot be read."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no API token at {path}; `nodeagent serve` writes it on first start. Pass --token-file "
+            f"or set {TOKEN_FILE_ENV} to the agent's token file"
+        ) from None
+    except OSError as err:
+        raise ConfigError(
+            f"cannot read the API token {path}: {err.strerror or err}; run as the agent's user "
+            f"(root for the system service) or pass --token-file"
+        ) from err
+    if not token:
+        raise ConfigError(f"the API token file {path} is empty; restart the agent to write a new one")
+    return token
+
+
+class AgentClient:
+    """Calls the agent's /v1 API; returns decoded JSON, raises the project's errors."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+            timeout=timeout,
+            transport=transport,
+        )
+
+    @classmethod
+    def from_options(cls, api: str | None = None, token_file: Path | None = None) -> AgentClient:
+        """The client the CLI options (or their environment variables and defaults) describe."""
+        return cls(resolve_api(api), read_token(resolve_token_file(token_file)))
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- the API
+
+    def node(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/node")
+
+    def topology(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/topology")
+
+    def capacity(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/capacity")
+
+    def list_slots(self) -> list[dict[str, Any]]:
+        slots: list[dict[str, Any]] = self._json("GET", "/v1/slots")["slots"]
+        return slots
+
+    def get_slot(self, slot_id: str) -> dict[str, Any]:
+        return self._json("GET", _slot_path(slot_id))
+
+    def allocate(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The slot, and True when it was created (False: it existed with the same request)."""
+        response = self._send("POST", "/v1/slots", json=dict(request))
+        return _decode(response), response.status_code == 201
+
+    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> dict[str, Any]:
+        return self._json("PATCH", _slot_path(slot_id), json={"resources": dict(resources)})
+
+    def release(self, slot_id: str) -> None:
+        self._send("DELETE", _slot_path(slot_id))
+
+    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self._json("POST", _slot_path(slot_id, "worker"), json=None if spec is None else dict(spec))
+
+    def stop_worker(self, slot_id: str) -> dict[str, Any]:
+        return self._json("DELETE", _slot_path(slot_id, "worker"))
+
+    def logs(self, slot_id: str, lines: int = 100) -> list[str]:
+        body = self._json("GET", _slot_path(slot_id, "logs"), params={"lines": lines})
+        return [str(line) for line in body["lines"]]
+
+    # --- the I/O boundary
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return _decode(self._send(method, path, **kwargs))
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as err:
+            raise AgentUnreachable(
+                f"the agent at {self.base_url} did not answer {method} {path} in time ({type(err).__name__})"
+            ) from err
+        except httpx.TransportError as err:
+            raise AgentUnreachable(
+                f"cannot reach the agent at {self.base_url}: {err or type(err).__name__}; "
+                f"is `nodeagent serve` running? (set --api or {API_ENV} if it listens elsewhere)"
+            ) from err
+        if response.is_error:
+            raise error_from_response(response)
+        return response
+
+
+def _slot_path(slot_id: str, *rest: str) -> str:
+    # Checked here as well as by the server: an id with '/' would otherwise address another path.
+    if NAME_PATTERN.fullmatch(slot_id) is None:
+        raise InvalidRequest(
+            f"{slot_id!r} is not a slot id or name; they are 1-63 characters of a-z, 0-9, '.', '_' or '-' "
+            "starting with a letter or digit (`nodeagent slots list` shows them)"
+        )
+    return "/".join(("/v1/slots", quote(slot_id, safe=""), *rest))
+
+
+def _decode(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError as err:
+        raise NodeAgentError(
+            f"the agent answered {response.request.method} {response.request.url.path} with "
+            f"HTTP {response.status_code} but not JSON; is {response.request.url.host} a nodeagent?"
+        ) from err
+    if not isinstance(body, dict):
+        raise NodeAgentError(f"the agent answered with {type(body).__name__}, expected a JSON object")
+    return body
+
+
+def error_from_response(response: httpx.Response) -> NodeAgentError:
+    """The project's error for an API error response, with the server's message."""
+    code, message = _error_body(response)
+    cls = _ERRORS_BY_CODE.get(code) or _ERRORS_BY_STATUS.get(response.status_code, NodeAgentError)
+    if response.status_code == 401:
+        message += "; check --token-file / " + TOKEN_FILE_ENV
+    return cls(message)
+
+
+def _error_body(response: httpx.Response) -> tuple[str, str]:
+    fallback = f"the agent answered HTTP {response.status_code} {response.reason_phrase}"
+    try:
+        error = response.json()["error"]
+        return str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return "", fallback

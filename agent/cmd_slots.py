@@ -1,0 +1,311 @@
+"""``nodeagent slots ...``: list, show, allocate, resize and release slots through the agent's API.
+
+Tables for people, ``--json`` for scripts. The group's ``--api`` / ``--token-file`` (or
+NODEAGENT_API / NODEAGENT_TOKEN_FILE) say where the agent is; see ``agent.client``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from nodeagent.agent.client import API_ENV, TOKEN_FILE_ENV, AgentClient
+from nodeagent.agent.request import format_quantity
+from nodeagent.errors import InvalidRequest
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def api_options(func: F) -> F:
+    """``--api`` and ``--token-file``, shared by every command that talks to the agent."""
+    func = click.option(
+        "--token-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        envvar=TOKEN_FILE_ENV,
+        help="The agent's API token file [default: <state dir>/token].",
+    )(func)
+    return click.option(
+        "--api",
+        envvar=API_ENV,
+        metavar="URL",
+        help="The agent's API [default: http://127.0.0.1:7070].",
+    )(func)
+
+
+def client_from(ctx: click.Context) -> AgentClient:
+    """The client for this invocation, built on first use and closed when the command ends."""
+    options = ctx.find_root().meta.get("nodeagent.api") or (None, None)
+    return ctx.with_resource(AgentClient.from_options(*options))
+
+
+@click.group("slots")
+@api_options
+@click.pass_context
+def command(ctx: click.Context, api: str | None, token_file: Path | None) -> None:
+    """Slots on this host: isolated CPUs, memory and devices with an optional worker."""
+    ctx.find_root().meta["nodeagent.api"] = (api, token_file)
+
+
+_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@command.command("list")
+@_json_option
+@click.pass_context
+def list_command(ctx: click.Context, as_json: bool) -> None:
+    """One line per slot."""
+    slots = client_from(ctx).list_slots()
+    click.echo(_dumps(slots) if as_json else format_slot_table(slots))
+
+
+@command.command("show")
+@click.argument("slot_id", metavar="ID")
+@_json_option
+@click.pass_context
+def show_command(ctx: click.Context, slot_id: str, as_json: bool) -> None:
+    """Everything about one slot (by id or name)."""
+    slot = client_from(ctx).get_slot(slot_id)
+    click.echo(_dumps(slot) if as_json else format_slot(slot))
+
+
+@command.command("allocate")
+@click.option(
+    "--request",
+    "request_text",
+    metavar="JSON|@FILE|-",
+    help="The SlotRequest as JSON, @FILE to read it from a file, or - for stdin.",
+)
+@click.option("--name", help="Slot name (when not using --request).")
+@click.option("--qos", type=click.Choice(["guaranteed", "burstable", "best-effort"]), default=None)
+@click.option("--cpus", help="Whole CPUs (guaranteed) or a quota such as 0.5 or 500m.")
+@click.option("--memory", help="Bytes or a quantity such as 4Gi.")
+@click.option("--gpus", type=int)
+@click.option("--numa", type=click.Choice(["single", "prefer", "none"]))
+@click.option("--worker-cmd", metavar="COMMAND", help="The worker's command line (split like a shell).")
+@_json_option
+@click.pass_context
+def allocate_command(ctx: click.Context, /, request_text: str | None, as_json: bool, **flags: Any) -> None:
+    """Allocate a slot from --request, or from --name/--qos/--cpus/... flags.
+
+    Idempotent by name: the same request again shows the existing slot.
+    """
+    request = _request_from(request_text, flags)
+    slot, created = client_from(ctx).allocate(request)
+    if as_json:
+        click.echo(_dumps(slot))
+        return
+    verb = "allocated" if created else "already allocated with this request:"
+    click.echo(f"{verb} slot {slot['id']} ({slot['name']})")
+    click.echo(format_slot(slot))
+
+
+@command.command("resize")
+@click.argument("slot_id", metavar="ID")
+@click.option("--resources", "resources_text", metavar="JSON", help="A partial resources object.")
+@click.option("--cpus", help="New CPU count or quota.")
+@click.option("--memory", help="New memory limit.")
+@_json_option
+@click.pass_context
+def resize_command(
+    ctx: click.Context,
+    /,
+    slot_id: str,
+    *,
+    resources_text: str | None,
+    cpus: str | None,
+    memory: str | None,
+    as_json: bool,
+) -> None:
+    """Change a slot's resources in place."""
+    resources = _json_object(resources_text, "--resources") if resources_text else {}
+    resources.update(_resource_flags(cpus=cpus, memory=memory))
+    if not resources:
+        raise InvalidRequest("resize: nothing to change; give --cpus, --memory or --resources JSON")
+    slot = client_from(ctx).resize(slot_id, resources)
+    click.echo(_dumps(slot) if as_json else format_slot(slot))
+
+
+@command.command("release")
+@click.argument("slot_id", metavar="ID")
+@click.pass_context
+def release_command(ctx: click.Context, slot_id: str) -> None:
+    """Stop a slot's worker, remove its kernel objects and free its resources."""
+    client_from(ctx).release(slot_id)
+    click.echo(f"released {slot_id}")
+
+
+@command.command("logs")
+@click.argument("slot_id", metavar="ID")
+@click.option("--lines", "-n", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.pass_context
+def logs_command(ctx: click.Context, slot_id: str, lines: int) -> None:
+    """The last lines of the slot's worker output."""
+    for line in client_from(ctx).logs(slot_id, lines):
+        click.echo(line)
+
+
+# --------------------------------------------------------------------------- requests from options
+
+
+def _request_from(request_text: str | None, flags: Mapping[str, Any]) -> dict[str, Any]:
+    given = {k: v for k, v in flags.items() if v is not None}
+    if request_text is not None:
+        if given:
+            raise InvalidRequest(
+                f"allocate: --request and --{next(iter(given)).replace('_', '-')} both given; use one way"
+            )
+        return _json_object(_read_argument(request_text), "--request")
+    if "name" not in given or "qos" not in given:
+        raise InvalidRequest("allocate: give --request JSON, or at least --name and --qos")
+    request: dict[str, Any] = {"name": given["name"], "qos": given["qos"]}
+    resources = _resource_flags(cpus=given.get("cpus"), memory=given.get("memory"))
+    if "gpus" in given:
+        resources["gpus"] = given["gpus"]
+    if "numa" in given:
+        resources["numa"] = given["numa"]
+    request["resources"] = resources
+    if "worker_cmd" in given:
+        request["worker"] = {"command": shlex.split(given["worker_cmd"])}
+    return request
+
+
+def _resource_flags(*, cpus: str | None, memory: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if cpus is not None:
+        out["cpus"] = _number_or_text(cpus)
+    if memory is not None:
+        out["memory"] = int(memory) if memory.isdigit() else memory
+    return out
+
+
+def _number_or_text(text: str) -> int | float | str:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            continue
+    return text  # e.g. "500m": the agent parses it
+
+
+def _read_argument(text: str) -> str:
+    if text == "-":
+        return sys.stdin.read()
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise InvalidRequest(f"cannot read the request file {path}: {err.strerror or err}") from err
+    return text
+
+
+def _json_object(text: str, option: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{option} is not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{option} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True)
+
+
+_COLUMNS = ("ID", "NAME", "QOS", "STATE", "CPUS", "MEMORY", "NUMA", "DEVICES", "WORKER", "AGE")
+
+
+def format_slot_table(slots: Sequence[Mapping[str, Any]], now: float | None = None) -> str:
+    if not slots:
+        return "no slots"
+    at = time.time() if now is None else now
+    rows = [_COLUMNS, *(_row(s, at) for s in slots)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+def _row(slot: Mapping[str, Any], now: float) -> tuple[str, ...]:
+    assignment = slot.get("assignment") or {}
+    return (
+        str(slot["id"]),
+        str(slot["name"]),
+        str(slot["qos"]),
+        str(slot["state"]),
+        _cpus(assignment),
+        _memory(assignment),
+        ",".join(map(str, assignment.get("numa_nodes", []))) or "-",
+        _devices(assignment),
+        _worker(slot.get("worker")),
+        _age(now - float(slot.get("created_at", now))),
+    )
+
+
+def _cpus(assignment: Mapping[str, Any]) -> str:
+    if not assignment:
+        return "-"
+    if assignment.get("exclusive"):
+        return str(assignment.get("cpuset") or "-")
+    return f"{assignment.get('cpu_quota', 0):g} of pool"
+
+
+def _memory(assignment: Mapping[str, Any]) -> str:
+    nbytes = assignment.get("memory_bytes")
+    return format_quantity(int(nbytes)) if nbytes else "-"
+
+
+def _devices(assignment: Mapping[str, Any]) -> str:
+    names = [f"gpu{g}" for g in assignment.get("gpus", [])]
+    names += [f"mig:{m.get('profile')}" for m in assignment.get("mig", [])]
+    names += [f"gpu{s.get('gpu_index')}:{s.get('share')}" for s in assignment.get("gpu_shares", [])]
+    names += [str(f) for f in assignment.get("fpgas", [])]
+    names += [str(d.get("path")) for d in assignment.get("devices", [])]
+    return ",".join(names) or "-"
+
+
+def _worker(worker: Mapping[str, Any] | None) -> str:
+    if not worker:
+        return "-"
+    phase = str(worker.get("phase", "?"))
+    restarts = worker.get("restarts")
+    return f"{phase} ({restarts} restarts)" if restarts else phase
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def format_slot(slot: Mapping[str, Any]) -> str:
+    assignment = slot.get("assignment") or {}
+    lines = [
+        f"slot {slot['id']} ({slot['name']}): {slot['qos']}, {slot['state']}",
+        f"  cpus      {_cpus(assignment)}",
+        f"  memory    {_memory(assignment)}",
+        f"  numa      {','.join(map(str, assignment.get('numa_nodes', []))) or '-'}",
+        f"  devices   {_devices(assignment)}",
+        f"  cgroup    {slot.get('cgroup') or '-'}",
+        f"  worker    {_worker(slot.get('worker'))}",
+    ]
+    worker = slot.get("worker") or {}
+    if worker.get("message"):
+        lines.append(f"            {worker['message']}")
+    if slot.get("reason"):
+        lines.append(f"  reason    {slot['reason']}")
+    lines.extend(f"  why       {r}" for r in assignment.get("reasons", []))
+    return "\n".join(lines)

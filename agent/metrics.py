@@ -1,0 +1,262 @@
+"""Prometheus metrics of the agent, on a private registry (never the process-global one).
+
+Slot counts, capacity and per-slot usage are computed at scrape time from the service (a custom
+collector), so there is no second copy of the state to keep in sync. What only the agent's own
+code knows as it happens (API latency, reporter failures) lives in ordinary instruments that the
+API middleware and the reporter update.
+
+Series (all prefixed ``nodeagent_``):
+
+- ``slots{state, qos}``: slots by state and QoS class (every combination, zeros included);
+- ``capacity{resource, kind}`` and ``numa_capacity{numa, resource, kind}``: kind is one of
+  total / reserved / allocatable / allocated / free;
+- ``slot_cpu_usage_seconds_total``, ``slot_cpu_throttled_periods_total``,
+  ``slot_cpu_throttled_seconds_total``, ``slot_memory_bytes``, ``slot_memory_peak_bytes``,
+  ``slot_oom_kills_total``, each ``{slot, name}``, from the ``stats_provider`` (figures the kernel
+  does not provide are left out rather than reported as zero);
+- ``worker_restarts_total{slot, name}``;
+- ``ready``, ``agent_info{version, node_id, cgroup_mode}``, ``degraded_features``;
+- ``api_request_duration_seconds{method, route, status}`` (route is the path template);
+- ``reporter_failures_total``, ``reporter_last_success_timestamp_seconds``;
+- ``scrape_errors_total{section}``: parts of a scrape that failed and were left out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from nodeagent.agent.request import QOS_CLASSES
+from nodeagent.agent.service import SlotService, SlotState, SlotView
+from nodeagent.cgroups.resources import CgroupStats
+from nodeagent.errors import NodeAgentError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nodeagent"
+CAPACITY_KINDS = ("total", "reserved", "allocatable", "allocated", "free")
+#: API latency buckets: the agent answers most calls in about a millisecond; allocations that
+#: create kernel objects and launch workers take tens to hundreds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+T = TypeVar("T")
+
+#: Slot id -> its cgroup's current figures, or None when the slot has no cgroup (yet).
+StatsProvider = Callable[[str], CgroupStats | None]
+
+
+class Metrics:
+    """The agent's metrics. ``render()`` is the body of GET /metrics.
+
+    ``service`` and ``stats_provider`` may be attached later (``attach``), because the daemon
+    builds the metrics before the slot manager that feeds them.
+    """
+
+    def __init__(
+        self, service: SlotService | None = None, *, stats_provider: StatsProvider | None = None
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        # Registered first so that scrape errors it counts show up in the same scrape.
+        self._collector = _ServiceCollector(self)
+        self.registry.register(self._collector)
+        self.api_request_duration = Histogram(
+            f"{PREFIX}_api_request_duration_seconds",
+            "Time to answer an API request, by method, route template and status.",
+            ("method", "route", "status"),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.reporter_failures = Counter(
+            f"{PREFIX}_reporter_failures",
+            "Reports to the controller that failed (each retry counts).",
+            registry=self.registry,
+        )
+        self.reporter_last_success = Gauge(
+            f"{PREFIX}_reporter_last_success_timestamp_seconds",
+            "Unix time of the last report the controller accepted (0: none yet).",
+            registry=self.registry,
+        )
+        self.scrape_errors = Counter(
+            f"{PREFIX}_scrape_errors",
+            "Parts of a scrape that failed and were left out, by section.",
+            ("section",),
+            registry=self.registry,
+        )
+        self.attach(service, stats_provider=stats_provider)
+
+    def attach(self, service: SlotService | None, *, stats_provider: StatsProvider | None = None) -> None:
+        """Read slots and capacity from ``service`` (and cgroup figures from ``stats_provider``)."""
+        self._collector.service = service
+        self._collector.stats_provider = stats_provider
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.api_request_duration.labels(method, route, str(status)).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ServiceCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.service: SlotService | None = None
+        self.stats_provider: StatsProvider | None = None
+
+    def describe(self) -> list[Metric]:
+        # Series depend on the live state: describing nothing keeps registration free of a scrape.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        service = self.service
+        if service is None:
+            return
+        yield from self._section("node", lambda: _node_metrics(service))
+        slots = self._guarded("slots", service.list_slots)
+        if slots is not None:
+            yield from _slot_metrics(slots)
+        yield from self._section("capacity", lambda: _capacity_metrics(service.capacity()))
+        if slots is not None and self.stats_provider is not None:
+            yield from _usage_metrics(slots, self.stats_provider, self.metrics.scrape_errors)
+
+    def _section(self, name: str, build: Callable[[], list[Metric]]) -> list[Metric]:
+        return self._guarded(name, build) or []
+
+    def _guarded(self, name: str, build: Callable[[], T]) -> T | None:
+        # One failing part (say, the manager is mid-restart) must not blank the whole scrape.
+        try:
+            return build()
+        except NodeAgentError as err:
+            log.warning("metrics: %s left out of this scrape: %s", name, err)
+            self.metrics.scrape_errors.labels(name).inc()
+            return None
+
+
+def _node_metrics(service: SlotService) -> list[Metric]:
+    node = service.node()
+    info = GaugeMetricFamily(
+        f"{PREFIX}_agent_info",
+        "The agent's version and node identity.",
+        labels=("version", "node_id", "cgroup_mode"),
+    )
+    info.add_metric((node.agent_version, node.node_id, node.cgroup_mode), 1)
+    ready = GaugeMetricFamily(f"{PREFIX}_ready", "1 once start-up reconciliation is done.")
+    ready.add_metric((), 1 if service.ready() else 0)
+    degraded = GaugeMetricFamily(
+        f"{PREFIX}_degraded_features", "Isolation features this agent cannot provide on this host."
+    )
+    degraded.add_metric((), len(node.degraded))
+    return [info, ready, degraded]
+
+
+def _slot_metrics(slots: list[SlotView]) -> list[Metric]:
+    counts = {(str(state), qos): 0 for state in SlotState for qos in QOS_CLASSES}
+    restarts = CounterMetricFamily(
+        f"{PREFIX}_worker_restarts", "Times the agent restarted a slot's worker.", labels=("slot", "name")
+    )
+    for slot in slots:
+        key = (str(slot.state), slot.qos)
+        counts[key] = counts.get(key, 0) + 1
+        count = _worker_restarts(slot.worker)
+        if count is not None:
+            restarts.add_metric((slot.id, slot.name), count)
+    by_state = GaugeMetricFamily(f"{PREFIX}_slots", "Slots by state and QoS class.", labels=("state", "qos"))
+    for (state, qos), n in sorted(counts.items()):
+        by_state.add_metric((state, qos), n)
+    return [by_state, restarts]
+
+
+def _worker_restarts(worker: Mapping[str, Any] | None) -> int | None:
+    value = None if worker is None else worker.get("restarts")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:
+    host = GaugeMetricFamily(
+        f"{PREFIX}_capacity",
+        "Host-wide capacity per resource (memory in bytes, CPUs and devices in units).",
+        labels=("resource", "kind"),
+    )
+    for resource, figures in _items(capacity.get("resources")):
+        for kind, value in _kinds(figures):
+            host.add_metric((resource, kind), value)
+    numa = GaugeMetricFamily(
+        f"{PREFIX}_numa_capacity", "Capacity per NUMA node and resource.", labels=("numa", "resource", "kind")
+    )
+    for node, resources in _items(capacity.get("by_numa")):
+        for resource, figures in _items(resources):
+            for kind, value in _kinds(figures):
+                numa.add_metric((node, resource, kind), value)
+    return [host, numa]
+
+
+def _items(obj: Any) -> list[tuple[str, Any]]:
+    return [(str(k), v) for k, v in obj.items()] if isinstance(obj, Mapping) else []
+
+
+def _kinds(figures: Any) -> list[tuple[str, float]]:
+    if not isinstance(figures, Mapping):
+        return []
+    return [
+        (kind, float(figures[kind]))
+        for kind in CAPACITY_KINDS
+        if isinstance(figures.get(kind), int | float) and not isinstance(figures.get(kind), bool)
+    ]
+
+
+def _usage_metrics(slots: list[SlotView], provider: StatsProvider, errors: Counter) -> list[Metric]:
+    labels = ("slot", "name")
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        "cpu": CounterMetricFamily(
+            f"{PREFIX}_slot_cpu_usage_seconds", "CPU time used by the slot.", labels=labels
+        ),
+        "throttled_periods": CounterMetricFamily(
+            f"{PREFIX}_slot_cpu_throttled_periods",
+            "CFS periods in which the slot was throttled.",
+            labels=labels,
+        ),
+        "throttled": CounterMetricFamily(
+            f"{PREFIX}_slot_cpu_throttled_seconds", "Time the slot spent throttled.", labels=labels
+        ),
+        "memory": GaugeMetricFamily(
+            f"{PREFIX}_slot_memory_bytes", "Memory the slot uses now.", labels=labels
+        ),
+        "peak": GaugeMetricFamily(
+            f"{PREFIX}_slot_memory_peak_bytes", "Most memory the slot has used.", labels=labels
+        ),
+        "oom_kills": CounterMetricFamily(
+            f"{PREFIX}_slot_oom_kills", "Processes the kernel's OOM killer killed in the slot.", labels=labels
+        ),
+    }
+    for slot in slots:
+        try:
+            stats = provider(slot.id)
+        except NodeAgentError as err:
+            # A slot released between list_slots and this read has no cgroup any more.
+            log.debug("metrics: no cgroup figures for slot %s: %s", slot.id, err)
+            errors.labels("slot_stats").inc()
+            continue
+        if stats is None:
+            continue
+        key = (slot.id, slot.name)
+        for family, value in (
+            ("cpu", _seconds(stats.cpu_usage_ns)),
+            ("throttled_periods", stats.cpu_throttled_periods),
+            ("throttled", _seconds(stats.cpu_throttled_ns)),
+            ("memory", stats.memory_current),
+            ("peak", stats.memory_peak),
+            ("oom_kills", stats.oom.oom_kill),
+        ):
+            if value is not None:
+                families[family].add_metric(key, value)
+    return list(families.values())
+
+
+def _seconds(ns: int | None) -> float | None:
+    return None if ns is None else ns / 1e9
