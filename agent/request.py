@@ -131,7 +131,7 @@ def parse_quantity(value: Any, field: str = "memory") -> int:
             raise InvalidRequest(f"request: {field} {value!r} is not a whole number of bytes")
         amount = int(exact)
     if amount < 0 or amount > MAX_MEMORY_BYTES:
-        raise InvalidRequest(f"request: {field} {value!r} is out of range; it must be 0 to 8Ei bytes")
+        raise InvalidRequest(f"request: {field} {_shown(value)} is out of range; it must be 0 to 8Ei bytes")
     return amount
 
 
@@ -151,6 +151,8 @@ def parse_milli(value: Any, field: str, *, maximum: int) -> int:
     elif isinstance(value, int | float) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise _bad(field, "a finite number", value)
+        if value < 0 or value > maximum:  # before scaling: 1e308 * 1000 is no longer a number
+            raise _out_of_range(field, value, maximum)
         millis = round(value * MILLI)
         if abs(value * MILLI - millis) > 1e-6:
             raise InvalidRequest(
@@ -159,8 +161,12 @@ def parse_milli(value: Any, field: str, *, maximum: int) -> int:
     else:
         raise _bad(field, 'a number (or a millis string such as "500m")', value)
     if millis < 0 or millis > maximum * MILLI:
-        raise InvalidRequest(f"request: {field} {value!r} is out of range; it must be 0 to {maximum}")
+        raise _out_of_range(field, value, maximum)
     return millis
+
+
+def _out_of_range(field: str, value: Any, maximum: int) -> InvalidRequest:
+    return InvalidRequest(f"request: {field} {_shown(value)} is out of range; it must be 0 to {maximum}")
 
 
 # --------------------------------------------------------------------------- parsing

@@ -137,6 +137,10 @@ def test_profile_alone_means_one_instance() -> None:
         pytest.param(req(cpus=float("nan")), "must be a finite number", id="nan-cpus"),
         pytest.param(req(cpus=float("inf")), "must be a finite number", id="inf-cpus"),
         pytest.param(req(cpus=10**9), "out of range", id="huge-cpus"),
+        pytest.param(req("burstable", cpus=1e308), "out of range", id="float-too-big-to-scale"),
+        pytest.param(
+            req(cpus=1, memory=10**400), r"memory 1000+\.\.\. is out of range", id="huge-memory-shortened"
+        ),
         pytest.param(req(cpus=True), "must be a number", id="bool-cpus"),
         pytest.param(req("burstable", cpus=0.0001), "more than three decimals", id="too-fine"),
         pytest.param(req(cpus=1, memory="lots"), "memory 'lots' is not a quantity", id="bad-memory"),
