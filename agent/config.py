@@ -90,6 +90,10 @@ class ControllerConfig:
     interval_seconds: float = 30.0
     node_id: str = ""  #: "" = this host's name
     timeout_seconds: float = 5.0
+    token_file: str = ""  #: file holding the bearer token the controller expects ("" = none)
+    backoff_initial_seconds: float = 1.0  #: first retry delay while the controller is down
+    backoff_max_seconds: float = 60.0  #: retry delays grow (with full jitter) up to this
+    coalesce_seconds: float = 0.5  #: changes within this window are sent as one report
 
     @property
     def resolved_node_id(self) -> str:

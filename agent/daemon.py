@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import IsolatorKernel, SlotKernel, SlotManager, SpawnerRuntime, UnisolatedKernel
@@ -36,6 +36,10 @@ from nodeagent.errors import ConfigError, translate_os_error
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
+
+if TYPE_CHECKING:
+    from nodeagent.agent.metrics import Metrics
+    from nodeagent.agent.reporter import Reporter
 
 log = logging.getLogger("nodeagent.daemon")
 
@@ -163,29 +167,39 @@ def build_manager(config: AgentConfig, topology: Topology | None = None) -> Slot
     )
 
 
-def _reporter(config: AgentConfig, manager: SlotManager, metrics: Any) -> Any:
-    """The controller reporter when a URL is configured (agent/reporter.py; tolerated if absent)."""
-    if not config.controller.url:
+def _reporter(config: AgentConfig, manager: SlotManager, metrics: Metrics) -> Reporter | None:
+    """The controller reporter, when a controller URL is configured."""
+    from nodeagent.agent.reporter import Reporter, ReporterConfig  # noqa: PLC0415 - only when reporting
+
+    ctl = config.controller
+    if not ctl.url:
         return None
-    try:
-        from nodeagent.agent.reporter import Reporter, ReporterConfig  # noqa: PLC0415 - optional piece
-    except ImportError:
-        log.warning("controller url set but the reporter module is missing; not reporting")
-        return None
+    token = None
+    if ctl.token_file:
+        try:
+            token = Path(ctl.token_file).read_text().strip()
+        except OSError as err:
+            raise ConfigError(
+                f"[controller] token_file {ctl.token_file}: cannot read it ({err.strerror}); "
+                "create it or leave the key out"
+            ) from err
     reporter_config = ReporterConfig(
-        url=config.controller.url,
-        interval_seconds=config.controller.interval_seconds,
-        timeout_seconds=config.controller.timeout_seconds,
-        node_id=config.controller.resolved_node_id,
+        url=ctl.url,
+        interval_seconds=ctl.interval_seconds,
+        timeout_seconds=ctl.timeout_seconds,
+        backoff_initial=ctl.backoff_initial_seconds,
+        backoff_max=ctl.backoff_max_seconds,
+        coalesce_seconds=ctl.coalesce_seconds,
+        token=token,
+        node_id=ctl.resolved_node_id,
         epoch_file=config.state_dir / "reporter.epoch",
     )
-    hooks: dict[str, Any] = {}
-    if metrics is not None:
-        hooks = {
-            "on_success": lambda: metrics.reporter_last_success.set(time.time()),
-            "on_failure": metrics.reporter_failures.inc,
-        }
-    return Reporter(reporter_config, manager, **hooks)
+    return Reporter(
+        reporter_config,
+        manager,
+        on_success=lambda: metrics.reporter_last_success.set(time.time()),
+        on_failure=metrics.reporter_failures.inc,
+    )
 
 
 def _listen_sockets(config: AgentConfig) -> list[socket.socket]:

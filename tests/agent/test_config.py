@@ -188,3 +188,44 @@ def test_example_config_in_docs_loads() -> None:
     example = Path(__file__).resolve().parents[2] / "docs" / "config.example.toml"
     config = load_config(example)
     assert config.api.listen == "127.0.0.1:7070"
+
+
+def test_controller_settings_reach_the_reporter(tmp_path: Path) -> None:
+    from nodeagent.agent.daemon import _reporter
+    from nodeagent.agent.metrics import Metrics
+    from tests.agent.fake_service import FakeSlotService as FakeService
+
+    token = tmp_path / "controller-token"
+    token.write_text("s3cret\n")
+    config = apply_overrides(
+        parse_config(
+            {
+                "controller": {
+                    "url": "http://127.0.0.1:9/v1/nodes",
+                    "token_file": str(token),
+                    "backoff_initial_seconds": 2.0,
+                    "backoff_max_seconds": 30.0,
+                    "coalesce_seconds": 0.1,
+                }
+            }
+        ),
+        state_dir=tmp_path,
+    )
+    reporter = _reporter(config, FakeService(), Metrics())
+    assert reporter is not None
+    assert reporter.config.token == "s3cret"
+    assert (reporter.config.backoff_initial, reporter.config.backoff_max) == (2.0, 30.0)
+    assert reporter.config.coalesce_seconds == 0.1
+
+    token.unlink()
+    with pytest.raises(ConfigError, match="token_file"):
+        _reporter(config, FakeService(), Metrics())
+
+
+def test_no_controller_url_means_no_reporter(tmp_path: Path) -> None:
+    from nodeagent.agent.daemon import _reporter
+    from nodeagent.agent.metrics import Metrics
+    from tests.agent.fake_service import FakeSlotService as FakeService
+
+    config = apply_overrides(parse_config({}), state_dir=tmp_path)
+    assert _reporter(config, FakeService(), Metrics()) is None
