@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from nodeagent.devices.cpulist import format_cpulist
+from nodeagent.cpulist import format_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Cpu, Fpga, Gpu, NumaNode, Topology, topology_to_dict
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.placement import PlacementOptions
-from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.network import SlotNetworkConfig
 

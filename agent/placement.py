@@ -30,7 +30,7 @@ from functools import cached_property
 from typing import Any
 
 from nodeagent.agent.request import MILLI, Resources, SlotRequest, format_quantity, parse_slot_request
-from nodeagent.devices.cpulist import format_cpulist, parse_cpulist
+from nodeagent.cpulist import format_cpulist, parse_cpulist
 from nodeagent.devices.topology import Gpu, MigInstance, Topology
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, PlacementError
 

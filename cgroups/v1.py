@@ -8,11 +8,11 @@ from pathlib import Path, PurePosixPath
 
 from nodeagent.cgroups import fs
 from nodeagent.cgroups.base import CgroupManager, wait_until
-from nodeagent.cgroups.cpulist import format_ids
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.oom import EventfdOomWatcher, OomWatcher
 from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources, weight_to_shares
 from nodeagent.cgroups.rules import DeviceRule, normalize, parse_devices_list, plan_v1
+from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import CgroupError, Unsupported
 
 #: memory.limit_in_bytes reads back as this page-rounded LONG_MAX when unlimited.
@@ -62,9 +62,9 @@ class V1Manager(CgroupManager):
     def set(self, resources: Resources) -> None:
         r = resources
         if r.cpuset_cpus is not None:
-            self._write("cpuset", "cpuset.cpus", format_ids(r.cpuset_cpus))
+            self._write("cpuset", "cpuset.cpus", format_cpulist(r.cpuset_cpus))
         if r.cpuset_mems is not None:
-            self._write("cpuset", "cpuset.mems", format_ids(r.cpuset_mems))
+            self._write("cpuset", "cpuset.mems", format_cpulist(r.cpuset_mems))
         if r.cpu_weight is not None:
             self._write("cpu", "cpu.shares", weight_to_shares(r.cpu_weight))
         if r.cpu_period_us is not None:

@@ -8,11 +8,11 @@ from pathlib import Path, PurePosixPath
 
 from nodeagent.cgroups import bpf, fs
 from nodeagent.cgroups.base import CgroupManager, wait_until
-from nodeagent.cgroups.cpulist import format_ids
 from nodeagent.cgroups.detect import V2_CONTROLLERS, CgroupHost
 from nodeagent.cgroups.oom import MemoryEventsWatcher, OomWatcher
 from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources
 from nodeagent.cgroups.rules import DeviceRule
+from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import CgroupError, Unsupported
 
 
@@ -76,9 +76,9 @@ class V2Manager(CgroupManager):
     def set(self, resources: Resources) -> None:
         r = resources
         if r.cpuset_cpus is not None:
-            self._write("cpuset.cpus", format_ids(r.cpuset_cpus))
+            self._write("cpuset.cpus", format_cpulist(r.cpuset_cpus))
         if r.cpuset_mems is not None:
-            self._write("cpuset.mems", format_ids(r.cpuset_mems))
+            self._write("cpuset.mems", format_cpulist(r.cpuset_mems))
         if r.cpu_weight is not None:
             self._write("cpu.weight", r.cpu_weight)
         if r.cpu_quota_us is not None or r.cpu_period_us is not None:

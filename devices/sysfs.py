@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import DiscoveryError, InvalidRequest, os_error_message
 
 

@@ -34,9 +34,8 @@ from pathlib import Path
 
 from nodeagent.cgroups import CgroupHost, Hierarchy, Resources, open_manager
 from nodeagent.cgroups import fs as cgroupfs
-from nodeagent.cgroups.cpulist import parse_ids
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
-from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, Conflict, DiscoveryError, Unsupported, os_error_message
 
 
@@ -195,7 +194,7 @@ class SharedPool:
         return self.read_ids(relpath, "cpuset.cpus")
 
     def read_ids(self, relpath: str, name: str) -> frozenset[int]:
-        return parse_ids(cgroupfs.read_file(self._mount, cgroupfs.join(relpath, name)))
+        return parse_cpulist(cgroupfs.read_file(self._mount, cgroupfs.join(relpath, name)))
 
 
 def _cpuset_mount(host: CgroupHost) -> Path:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from nodeagent.devices.cpulist import format_cpulist
+from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import (
     InvalidRequest,
     KernelError,

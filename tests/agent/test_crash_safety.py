@@ -25,7 +25,7 @@ import pytest
 from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.daemon import build_kernel
 from nodeagent.agent.manager import IsolatorKernel
-from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

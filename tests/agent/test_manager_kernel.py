@@ -13,7 +13,7 @@ from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.daemon import build_kernel, build_manager, ensure_state_dir
 from nodeagent.agent.manager import IsolatorKernel, SlotManager
 from nodeagent.agent.service import SlotState
-from nodeagent.devices.cpulist import parse_cpulist
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 
 pytestmark = pytest.mark.root

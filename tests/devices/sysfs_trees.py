@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from nodeagent.devices.cpulist import format_cpulist
+from nodeagent.cpulist import format_cpulist
 
 Tree = dict[str, str]
 

@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.cpu import CPU_DIR, NODE_DIR, CpuTopology, cpu_model, discover_cpu_topology
-from nodeagent.devices.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.sysfs import Sysfs
 from nodeagent.devices.topology import (

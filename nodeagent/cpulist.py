@@ -1,4 +1,8 @@
-"""The kernel's cpulist format ("0-3,8,10-11"), as used by sysfs, cpusets and isolcpus."""
+"""The kernel's cpulist format ("0-3,8,10-11"), used by sysfs, cpusets, isolcpus and resctrl.
+
+It lives in the package root because every layer reads or writes it (devices, cgroups, isolation,
+placement); it depends on nothing but the error hierarchy.
+"""
 
 from __future__ import annotations
 
