@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a 
 
 from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.devices.sysfs import Sysfs
-from tests.devices.sysfs_trees import large_384, write_tree
+from tests.devices.sysfs_trees import large_384
+from tests.trees import write_tree
 
 TARGET_MS = 50.0
 

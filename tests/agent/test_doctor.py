@@ -19,6 +19,7 @@ from nodeagent.agent.doctor import (
     to_table,
 )
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState
+from tests.trees import write_tree
 
 ALL_CAPS = "000001ffffffffff"
 STATUS = "Name:\tnodeagent\nUid:\t0\t0\t0\t0\nCapEff:\t{caps}\n"
@@ -84,14 +85,6 @@ NOTHING = {
     "proc/swaps": "Filename\tType\tSize\tUsed\tPriority\n/swapfile file\t4194300\t0\t-2\n",
     "proc/cpuinfo": "processor\t: 0\nflags\t\t: fpu\n\n",
 }
-
-
-def write_tree(base: Path, files: dict[str, str]) -> Path:
-    for rel, content in files.items():
-        path = base / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return base
 
 
 def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRoots:

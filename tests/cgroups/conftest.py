@@ -18,22 +18,11 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, detect, open_manager
+from tests.trees import write_tree
 
 collect_ignore = [] if os.environ.get("NODEAGENT_IN_CGROUP2_VM") == "1" else ["v2vm"]
 
 _counter = itertools.count()
-
-
-def write_tree(root: Path, files: dict[str, str]) -> Path:
-    """Write a fake tree from {relpath: content}; a relpath ending in '/' is an empty directory."""
-    for rel, content in files.items():
-        path = root / rel
-        if rel.endswith("/"):
-            path.mkdir(parents=True, exist_ok=True)
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return root
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ import pytest
 
 from nodeagent.cgroups import detect
 from nodeagent.cgroups.detect import parse_mountinfo, parse_own_v2_cgroup
-
-from .conftest import write_tree
+from tests.trees import write_tree
 
 HYBRID_MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

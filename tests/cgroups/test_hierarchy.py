@@ -10,8 +10,7 @@ from nodeagent.cgroups import Hierarchy, list_owned
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.hierarchy import validate_name
 from nodeagent.errors import InvalidRequest
-
-from .conftest import write_tree
+from tests.trees import write_tree
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,7 @@ import pytest
 from nodeagent.cgroups import UNLIMITED, CgroupHost, DeviceRule, Resources, open_manager
 from nodeagent.cgroups.resources import shares_to_weight, weight_to_shares
 from nodeagent.errors import CgroupError, InvalidRequest, Unsupported
-
-from .conftest import write_tree
+from tests.trees import write_tree
 
 V1_CONTROLLERS = ("cpuset", "cpu", "cpuacct", "memory", "pids", "devices", "freezer", "blkio")
 SLOT = "nodeagent.slice/burstable/web"

@@ -8,8 +8,6 @@ capability files for a fake host's MIG layout.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests.fakes.fake_nvml import FakeHost, h100_8x_mixed_mig
 
 _PCI = "bus/pci/devices"
@@ -86,12 +84,3 @@ def mig_capabilities_proc(host: FakeHost) -> dict[str, str]:
             ci_minor = cap_minor(gpu.minor, dev.gpu_instance_id, dev.compute_instance_id)
             tree[f"{gi_dir}/ci{dev.compute_instance_id}/access"] = _access(ci_minor)
     return tree
-
-
-def write_tree(root: Path, tree: dict[str, str]) -> Path:
-    """Write a ``{relpath: content}`` map under ``root``; returns ``root``."""
-    for rel, content in tree.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return root

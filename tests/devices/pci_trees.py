@@ -9,32 +9,9 @@ A /dev tree holds plain files: discovery only checks that a node exists.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Link:
-    target: str
-
-
-Tree = Mapping[str, "str | Link"]
-
-
-def write_tree(root: Path, tree: Tree) -> Path:
-    for rel, content in tree.items():
-        path = root / rel
-        if rel.endswith("/"):
-            path.mkdir(parents=True, exist_ok=True)
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, Link):
-            os.symlink(content.target, path)
-        else:
-            path.write_text(content)
-    return root
+from tests.trees import Link, Tree
 
 
 def pci_function(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from nodeagent.cpulist import format_cpulist
@@ -27,18 +27,6 @@ Tree = dict[str, str]
 
 CPU = "devices/system/cpu"
 NODE = "devices/system/node"
-
-
-def write_tree(root: Path, tree: Mapping[str, str]) -> Path:
-    """Write ``tree`` under ``root`` (created as needed) and return ``root``."""
-    made: set[Path] = set()
-    for rel, content in tree.items():
-        path = root / rel
-        if path.parent not in made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            made.add(path.parent)
-        path.write_text(content)
-    return root
 
 
 def distance_matrix(

@@ -16,13 +16,14 @@ from nodeagent.agent.cmd_topology import format_topology
 from nodeagent.devices import discovery
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState, Topology, topology_from_dict
 from tests.devices import sysfs_trees as trees
+from tests.trees import write_tree
 
 GIB = 1024**3
 SCHEMA = json.loads(resources.files("nodeagent").joinpath("schemas/topology-v1.json").read_text())
 
 
 def run_topology(tmp_path: Path, tree_name: str, *args: str) -> Result:
-    root = trees.write_tree(tmp_path / "sys", trees.NAMED_TREES[tree_name]())
+    root = write_tree(tmp_path / "sys", trees.NAMED_TREES[tree_name]())
     argv = ["topology", "--sysfs-root", str(root), "--proc-root", str(tmp_path), "--no-gpus", "--no-fpgas"]
     return CliRunner().invoke(cli, [*argv, *args])
 
@@ -119,7 +120,7 @@ def test_missing_sysfs_root_is_a_one_line_error(tmp_path: Path) -> None:
 def test_garbage_in_the_tree_is_a_one_line_error(tmp_path: Path) -> None:
     tree = trees.single_socket_ht()
     tree["devices/system/cpu/online"] = "0-zz"
-    root = trees.write_tree(tmp_path / "sys", tree)
+    root = write_tree(tmp_path / "sys", tree)
     result = CliRunner().invoke(cli, ["topology", "--sysfs-root", str(root), "--no-gpus", "--no-fpgas"])
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1
@@ -146,7 +147,7 @@ def test_gpus_and_fpgas_come_from_their_discovery_modules(
     monkeypatch.setattr(discovery, "discover_gpus", lambda root: (sample_gpu(0),))
     fpga = Fpga("0000:3b:00.0", "0x10ee", "0x5000", "0000:3b:00.0", 0, ("/dev/xclmgmt1",), "xclmgmt", True)
     monkeypatch.setattr(discovery, "discover_fpgas", lambda root, dev: (fpga,))
-    root = trees.write_tree(tmp_path / "sys", trees.dual_socket_ht())
+    root = write_tree(tmp_path / "sys", trees.dual_socket_ht())
     result = CliRunner().invoke(cli, ["topology", "--sysfs-root", str(root), "--proc-root", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "1 GPU, 1 FPGA" in result.stdout
@@ -166,7 +167,7 @@ def test_no_gpus_and_no_fpgas_skip_their_discovery(tmp_path: Path, monkeypatch: 
 
 
 def test_format_shows_mig_instances_and_health(tmp_path: Path) -> None:
-    root = trees.write_tree(tmp_path / "sys", trees.single_socket_ht())
+    root = write_tree(tmp_path / "sys", trees.single_socket_ht())
     base = discovery.discover(root, proc_root=tmp_path, gpus=False, fpgas=False)
     mig = MigState(True, (MigInstance(3, 0, "2g.20gb", 4, 2, "MIG-abc", 20 * GIB),))
     gpus = (

@@ -32,6 +32,7 @@ from nodeagent.devices.topology import (
 )
 from nodeagent.errors import DiscoveryError
 from tests.devices import sysfs_trees as trees
+from tests.trees import write_tree
 
 GIB = 1024**3
 
@@ -41,7 +42,7 @@ def cpus(text: str) -> frozenset[int]:
 
 
 def discover_tree(tmp_path: Path, tree: dict[str, str], meminfo: str | None = None) -> CpuTopology:
-    trees.write_tree(tmp_path / "sys", tree)
+    write_tree(tmp_path / "sys", tree)
     proc = tmp_path / "proc"
     proc.mkdir(exist_ok=True)
     if meminfo is not None:
@@ -160,7 +161,7 @@ def written_trees(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
 
     def root_of(name: str) -> Path:
         if name not in roots:
-            roots[name] = trees.write_tree(tmp_path_factory.mktemp(name), trees.NAMED_TREES[name]())
+            roots[name] = write_tree(tmp_path_factory.mktemp(name), trees.NAMED_TREES[name]())
         return roots[name]
 
     return root_of
@@ -406,7 +407,7 @@ def test_garbage_file_names_its_path(tmp_path: Path, rel: str, content: str) -> 
 
 
 def test_invalid_utf8_names_its_path(tmp_path: Path) -> None:
-    root = trees.write_tree(tmp_path / "sys", trees.single_socket_ht())
+    root = write_tree(tmp_path / "sys", trees.single_socket_ht())
     (root / NODE_DIR / "node0" / "distance").write_bytes(b"\xff\xfe")
     with pytest.raises(DiscoveryError, match="node0/distance"):
         discover_cpu_topology(Sysfs(root), proc_root=tmp_path)
@@ -415,7 +416,7 @@ def test_invalid_utf8_names_its_path(tmp_path: Path) -> None:
 def test_unreadable_file_names_its_path_and_the_reason(tmp_path: Path) -> None:
     tree = trees.single_socket_ht()
     del tree[f"{CPU_DIR}/online"]
-    root = trees.write_tree(tmp_path / "sys", tree)
+    root = write_tree(tmp_path / "sys", tree)
     (root / CPU_DIR / "online").mkdir()  # reading a directory fails with EISDIR, even as root
     with pytest.raises(DiscoveryError, match=r"reading .*/devices/system/cpu/online: .*EISDIR"):
         discover_cpu_topology(Sysfs(root), proc_root=tmp_path)
@@ -443,7 +444,7 @@ SCHEMA = json.loads(resources.files("nodeagent").joinpath("schemas/topology-v1.j
 
 
 def full_topology(tmp_path: Path, name: str) -> Topology:
-    root = trees.write_tree(tmp_path / "sys", trees.NAMED_TREES[name]())
+    root = write_tree(tmp_path / "sys", trees.NAMED_TREES[name]())
     return discover(root, proc_root=tmp_path, gpus=False, fpgas=False)
 
 
@@ -608,7 +609,7 @@ def test_cpu_model_names_the_cpu_and_is_cached() -> None:
 
 
 def test_discovery_never_imports_py_cpuinfo(tmp_path: Path) -> None:
-    root = trees.write_tree(tmp_path / "sys", trees.single_socket_ht())
+    root = write_tree(tmp_path / "sys", trees.single_socket_ht())
     code = (
         "import sys; from pathlib import Path; from nodeagent.devices.discovery import discover; "
         f"discover(Path({str(root)!r}), proc_root=Path({str(tmp_path)!r}), gpus=False, fpgas=False); "

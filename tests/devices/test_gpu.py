@@ -22,10 +22,10 @@ from tests.devices.gpu_trees import (
     gpu_host_sysfs,
     h100_host_sysfs,
     mig_capabilities_proc,
-    write_tree,
 )
 from tests.fakes import fake_nvml
 from tests.fakes.fake_nvml import FakeHost, FakeNvml
+from tests.trees import write_tree
 
 GiB = 1024**3
 H100_MEMORY = 81559 * 1024 * 1024

@@ -23,7 +23,7 @@ from nodeagent.devices.pci import (
 from nodeagent.devices.topology import Fpga, Sriov
 from nodeagent.errors import DiscoveryError, InvalidRequest, NotFound
 from tests.devices import pci_trees as trees
-from tests.devices.pci_trees import Link, Tree, write_tree
+from tests.trees import Link, Tree, write_tree
 
 
 @pytest.fixture

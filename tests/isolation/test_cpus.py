@@ -20,8 +20,7 @@ from nodeagent.isolation.cpus import (
     shared_pool,
     shared_slot_cpus,
 )
-
-from ..cgroups.conftest import write_tree
+from tests.trees import write_tree
 
 F = frozenset
 TWO_NODES = CpuLayout(online=F(range(8)), node_cpus={0: F(range(4)), 1: F(range(4, 8))})

@@ -20,6 +20,7 @@ from nodeagent.isolation.resctrl import (
     plan_exclusive_mask,
     ways_for_share,
 )
+from tests.trees import write_tree
 
 INTEL_FLAGS = "fpu vme de pse tsc msr pae cx8 rdt_a cat_l3 cdp_l3 cqm_llc cqm_occup_llc mba avx512f"
 PLAIN_FLAGS = "fpu vme de pse tsc msr pae cx8 sse sse2 avx2"
@@ -97,15 +98,6 @@ INTEL_CDP = {
 
 # Cache monitoring only (Haswell-like): resctrl mounts, but there is nothing to allocate.
 MONITOR_ONLY = {"info/last_cmd_status": "ok\n", "info/L3_MON/num_rmids": "56\n", "tasks": ""}
-
-
-def write_tree(base: Path, files: dict[str, str]) -> Path:
-    base.mkdir(parents=True, exist_ok=True)
-    for rel, content in files.items():
-        path = base / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return base
 
 
 def make(tmp_path: Path, tree: dict[str, str] | None, proc: dict[str, str] | None = None) -> Resctrl:
