@@ -364,6 +364,40 @@ def check_numa_balancing(roots: HostRoots) -> Check:
     )
 
 
+def _meminfo_kib(text: str | None, key: str) -> int | None:
+    for line in (text or "").splitlines():
+        fields = line.replace(":", " ").split()
+        # /proc/meminfo: "MemTotal: N kB"; node*/meminfo: "Node 0 MemTotal: N kB"
+        if key in fields and fields.index(key) + 1 < len(fields) and fields[fields.index(key) + 1].isdigit():
+            return int(fields[fields.index(key) + 1])
+    return None
+
+
+def check_numa_memory(roots: HostRoots) -> Check:
+    """Placement accounts memory per NUMA node, so the nodes must add up to what the host has."""
+    host_kib = _meminfo_kib(_read(roots.proc / "meminfo"), "MemTotal")
+    node_dir = roots.sys / "devices/system/node"
+    nodes = sorted(node_dir.glob("node[0-9]*")) if node_dir.is_dir() else []
+    if host_kib is None or not nodes:
+        return Check("NUMA memory", "OK", "no NUMA node information; memory is accounted host-wide")
+    node_kib = [_meminfo_kib(_read(n / "meminfo"), "MemTotal") for n in nodes]
+    if any(k is None for k in node_kib):
+        return Check(
+            "NUMA memory", "WARN", "a NUMA node's meminfo is unreadable; its memory counts as unknown"
+        )
+    total = sum(k for k in node_kib if k is not None)
+    detail = f"{len(nodes)} node(s) hold {total / (1 << 20):.1f} GiB of {host_kib / (1 << 20):.1f} GiB"
+    if total >= host_kib * 0.95:
+        return Check("NUMA memory", "OK", detail)
+    return Check(
+        "NUMA memory",
+        "WARN",
+        f"{detail}: slots can be given only what the nodes report",
+        "check for memory that is not online in a node (hot-plugged or lazily initialised memory, "
+        "/sys/devices/system/memory/*/online)",
+    )
+
+
 def check_swap(roots: HostRoots) -> Check:
     text = _read(roots.proc / "swaps")
     if text is None:
@@ -411,6 +445,7 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
         ("PSI", check_psi),
         ("isolcpus", check_isolcpus),
         ("NUMA balancing", check_numa_balancing),
+        ("NUMA memory", check_numa_memory),
         ("swap", check_swap),
     ):
         checks.append(_guarded(name, lambda fn=fn: fn(roots)))  # type: ignore[misc]

@@ -124,6 +124,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "PSI",
             "isolcpus",
             "NUMA balancing",
+            "NUMA memory",
             "swap",
         ],
         "OK",
@@ -189,6 +190,21 @@ def test_host_with_nothing_fails(tmp_path: Path) -> None:
         pytest.param(
             {"proc/self/status": STATUS.format(caps="0000000000001000")},
             "network namespaces", "WARN", "missing CAP_SYS_ADMIN", id="netns-without-sys-admin",
+        ),
+        pytest.param(
+            {
+                "proc/meminfo": "MemTotal:       16777216 kB\n",
+                "sys/devices/system/node/node0/meminfo": "Node 0 MemTotal:        8388608 kB\n",
+                "sys/devices/system/node/node1/meminfo": "Node 1 MemTotal:        8388608 kB\n",
+            },
+            "NUMA memory", "OK", "2 node(s) hold 16.0 GiB of 16.0 GiB", id="numa-memory-adds-up",
+        ),
+        pytest.param(
+            {
+                "proc/meminfo": "MemTotal:       25165824 kB\n",
+                "sys/devices/system/node/node0/meminfo": "Node 0 MemTotal:        6291456 kB\n",
+            },
+            "NUMA memory", "WARN", "1 node(s) hold 6.0 GiB of 24.0 GiB", id="numa-memory-missing",
         ),
         pytest.param(
             {"sys/fs/resctrl/info/L3/cbm_mask": None, "sys/fs/resctrl/info/MB/min_bandwidth": None},
