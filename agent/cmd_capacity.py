@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from nodeagent.agent.cmd_slots import api_options, client_from
-from nodeagent.agent.request import format_quantity
+from nodeagent.agent.request import format_quantity_short
 
 _KINDS = ("total", "reserved", "allocatable", "allocated", "free")
 
@@ -53,7 +53,7 @@ def _amount(resource: str, value: Any) -> str:
     if value is None:
         return "-"
     if resource == "memory_bytes":
-        return format_quantity(int(value))
+        return format_quantity_short(int(value))
     return _number(value)
 
 

@@ -144,6 +144,17 @@ def format_quantity(nbytes: int) -> str:
     return str(nbytes)
 
 
+def format_quantity_short(nbytes: int) -> str:
+    """For people: the exact form when it is short ("512Mi"), else one decimal ("6.6Gi")."""
+    exact = format_quantity(nbytes)
+    if len(exact) <= 6:
+        return exact
+    for unit in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+        if nbytes >= _UNITS[unit]:
+            return f"{nbytes / _UNITS[unit]:.1f}{unit}"
+    return exact
+
+
 def parse_milli(value: Any, field: str, *, maximum: int) -> int:
     """A non-negative amount with up to three decimals (or ``"500m"``), in thousandths."""
     if isinstance(value, str) and value.endswith("m") and value[:-1].isdigit():

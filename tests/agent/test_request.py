@@ -9,6 +9,7 @@ import pytest
 from nodeagent.agent.request import (
     NetworkRequest,
     format_quantity,
+    format_quantity_short,
     parse_quantity,
     parse_slot_request,
     request_to_dict,
@@ -184,3 +185,11 @@ def test_refusals_name_the_field(obj: Any, message: str) -> None:
 def test_round_trip_through_json(obj: dict[str, Any]) -> None:
     parsed = parse_slot_request(obj)
     assert parse_slot_request(request_to_dict(parsed)) == parsed
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "shown"),
+    [(512 * 2**20, "512Mi"), (6907624 * 1024, "6.6Gi"), (1000, "1000"), (123456789, "117.7Mi"), (0, "0")],
+)
+def test_format_quantity_short(nbytes: int, shown: str) -> None:
+    assert format_quantity_short(nbytes) == shown
