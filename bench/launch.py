@@ -1,40 +1,58 @@
 """Time from a launch request to the worker's exec inside an isolated cgroup v1 slot.
 
-Side by side in one run (run as root on a cgroup v1 or hybrid host):
-  spawner          nodeagent's path: agent -> spawner -> pre-forked keeper -> pre-forked child,
-                   which joins the slot (cpuset, memory, pids) and execs; timed until the agent
-                   has the reply, i.e. after exec succeeded
-  popen-preexec    subprocess.Popen(preexec_fn=join the slot): the by-hand baseline (forces fork)
+Side by side in one run, interleaved launch by launch so the shared machine's noise hits every
+contender alike (run as root on a cgroup v1 or hybrid host):
+
+  nodeagent        Spawner.launch(): the agent writes the request to a pre-forked child of an idle
+                   keeper, which joins the slot (cpuset, memory, pids) and execs; timed until the
+                   agent knows exec succeeded. Path: Python child (no C shim exists).
+  popen-preexec    subprocess.Popen(preexec_fn=join the slot via cgroup.procs): the by-hand
+                   fork/join/exec baseline (preexec_fn forces fork instead of vfork)
   popen-plain      subprocess.Popen with no cgroup at all: the floor
+  crun-run         ``crun run`` of the same command with cpuset, memory and pids limits, until crun
+                   returns (it creates and removes its cgroups itself, and waits for /bin/true)
 
-Each is measured back to back ("warm") and with a pause before each launch ("spaced"), because a
-cgroup migration after some tens of ms without one waits for an RCU grace period (the cold-join
-penalty); cgroup_favordynmods removes it host-wide. The worker is /bin/true; the slot exists
-before the clock starts, as it does when a worker is launched into an allocated slot.
+Two regimes: "fresh" waits --gap-ms after creating the slot, as when a worker starts in a newly
+allocated slot on a host where no cgroup migration happened for a while (a cgroup.procs write
+then waits for an RCU grace period: the cold-join penalty); "back-to-back" does not wait. The
+worker is /bin/true; the slot exists before the clock starts.
 
-crun is not driven from here; to compare, install it (``apt-get install -y crun``) and time
-``crun run`` of the same command with a cpuset/memory/pids config (on a hybrid host it needs a
-private mount namespace with /sys/fs/cgroup/unified unmounted).
+crun (``apt-get install -y crun``) refuses a hybrid host whose cgroup2 mount carries a
+controller, so it runs from a helper in a private mount namespace (``unshare -m``) with
+/sys/fs/cgroup/unified unmounted there only; the host is not changed. Its bundle is an empty
+rootfs (empty /dev, /proc) with /usr bind-mounted read-only and the host's /bin, /lib, /lib64
+symlinks, a mount
+namespace only, and the same limits as the slot.
 
-    python bench/launch.py [--runs 200] [--gap-ms 50]
+    python bench/launch.py [--runs 200] [--gap-ms 50] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import itertools
+import json
 import os
+import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from nodeagent.runtime.enter import join_file
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.spawner import Spawner
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpuset", "memory", "pids")
+MEMORY_LIMIT = 256 << 20
+PIDS_LIMIT = 64
+WORKER = "/bin/true"
 
 
 def make_slot(name: str) -> list[Path]:
@@ -43,8 +61,8 @@ def make_slot(name: str) -> list[Path]:
         path.mkdir()
     (dirs[0] / "cpuset.cpus").write_text((ROOT / "cpuset" / "cpuset.cpus").read_text())
     (dirs[0] / "cpuset.mems").write_text((ROOT / "cpuset" / "cpuset.mems").read_text())
-    (dirs[1] / "memory.limit_in_bytes").write_text(str(256 << 20))
-    (dirs[2] / "pids.max").write_text("64")
+    (dirs[1] / "memory.limit_in_bytes").write_text(str(MEMORY_LIMIT))
+    (dirs[2] / "pids.max").write_text(str(PIDS_LIMIT))
     return dirs
 
 
@@ -54,50 +72,112 @@ def remove_slot(dirs: list[Path]) -> None:
             try:
                 path.rmdir()
                 break
+            except FileNotFoundError:
+                break
             except OSError:
-                time.sleep(0.01)
+                time.sleep(0.005)
 
 
-def measure(
-    launch: Callable[[list[str]], subprocess.Popen[bytes] | None], runs: int, gap: float, tag: str
-) -> list[float]:
-    times = []
-    for index in range(runs):
-        name = f"natest{os.getpid()}-{tag}-{index}"
-        dirs = make_slot(name)
-        procs = [str(path / "cgroup.procs") for path in dirs]
-        if gap:
-            time.sleep(gap)
-        started = time.perf_counter()
-        child = launch(procs)
-        times.append((time.perf_counter() - started) * 1000)
-        if child is not None:
-            child.wait()  # Popen returns once exec succeeded; reaping is not part of the launch
-        time.sleep(0.005)  # let /bin/true finish so the slot can be removed
-        remove_slot(dirs)
-    return times
+def percentile(ordered: list[float], fraction: float) -> float:
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
 
 
-def summary(times: list[float]) -> str:
-    ordered = sorted(times)
-    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    return f"median {statistics.median(ordered):6.2f} ms   p99 {p99:6.2f} ms"
+# --- crun, from a helper in a private mount namespace ---------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--gap-ms", type=float, default=50.0)
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="natest-bench-"))
-    spawner = Spawner()
-    spawner.start()
+def crun_bundle(where: Path) -> Path:
+    rootfs = where / "rootfs"
+    (rootfs / "usr").mkdir(parents=True)
+    (rootfs / "proc").mkdir()
+    (rootfs / "dev").mkdir()
+    for name in ("bin", "lib", "lib64", "sbin"):
+        host = Path("/") / name
+        if host.is_symlink():
+            (rootfs / name).symlink_to(os.readlink(host))
+    cpuset = ROOT / "cpuset"
+    config = {
+        "ociVersion": "1.0.2",
+        "process": {
+            "args": [WORKER],
+            "env": ["PATH=/usr/bin:/bin"],
+            "cwd": "/",
+            "user": {"uid": 0, "gid": 0},
+        },
+        "root": {"path": "rootfs", "readonly": True},
+        "mounts": [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}],
+        "linux": {
+            "namespaces": [{"type": "mount"}],
+            "resources": {
+                "cpu": {
+                    "cpus": (cpuset / "cpuset.cpus").read_text().strip(),
+                    "mems": (cpuset / "cpuset.mems").read_text().strip(),
+                },
+                "memory": {"limit": MEMORY_LIMIT},
+                "pids": {"limit": PIDS_LIMIT},
+            },
+        },
+    }
+    (where / "config.json").write_text(json.dumps(config))
+    return where
 
-    def ours(procs: list[str]) -> None:
+
+def crun_server() -> None:
+    """Inside ``unshare -m``: run ``crun run`` once per line read ("<name> <gap seconds>"), reply ms."""
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    subprocess.run(["umount", str(ROOT / "unified")], check=True)
+    bundle = crun_bundle(Path(tempfile.mkdtemp(prefix="natest-crun-")))
+    state = bundle / "state"
+    try:
+        for line in sys.stdin:
+            name, gap = line.split()
+            time.sleep(float(gap))
+            command = ["crun", "--root", str(state), "run", "--bundle", str(bundle), name]
+            started = time.perf_counter()
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
+            elapsed = (time.perf_counter() - started) * 1000
+            reply = {"ms": elapsed} if done.returncode == 0 else {"error": done.stderr.decode()[-400:]}
+            print(json.dumps(reply), flush=True)
+    finally:
+        shutil.rmtree(bundle, ignore_errors=True)
+
+
+class Crun:
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            ["unshare", "-m", sys.executable, __file__, "--crun-server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, name: str, gap: float) -> float:
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self.process.stdin.write(f"{name} {gap}\n")
+        self.process.stdin.flush()
+        reply = json.loads(self.process.stdout.readline() or '{"error": "the crun helper died"}')
+        if "error" in reply:
+            raise RuntimeError(f"crun run failed: {reply['error']}")
+        return float(reply["ms"])
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+# --- the contenders ---------------------------------------------------------------------------------
+
+
+Launch = Callable[[list[str]], "subprocess.Popen[bytes] | None"]
+
+
+def nodeagent_launcher(spawner: Spawner, work: Path, tag: str = "bench") -> Launch:
+    def launch(procs: list[str]) -> None:
         spawner.launch(
             LaunchRequest(
-                launch_id="bench",
-                argv=("/bin/true",),
+                launch_id=f"{tag}-{time.monotonic_ns()}",
+                argv=(WORKER,),
                 env={"PATH": "/usr/bin:/bin"},
                 run_dir=str(work / "run"),
                 log_dir=str(work / "logs"),
@@ -105,29 +185,176 @@ def main() -> None:
             )
         )
 
-    def preexec(procs: list[str]) -> subprocess.Popen[bytes]:
-        def join() -> None:
-            for path in procs:
-                with open(path, "w") as handle:
-                    handle.write("0")
+    return launch
 
-        return subprocess.Popen(["/bin/true"], preexec_fn=join)  # noqa: PLW1509 - the baseline on purpose
 
-    def plain(procs: list[str]) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(["/bin/true"])
+def popen_preexec(procs: list[str]) -> subprocess.Popen[bytes]:
+    def join() -> None:
+        for path in procs:
+            with open(path, "w") as handle:
+                handle.write("0")
 
-    rss = Path("/proc/self/status").read_text().split("VmRSS:")[1].split("\n")[0].strip()
-    print(
-        f"launch -> exec of /bin/true, {args.runs} runs each, agent RSS {rss}, load {os.getloadavg()[0]:.2f}"
-    )
+    return subprocess.Popen([WORKER], preexec_fn=join)  # noqa: PLW1509 - the baseline on purpose
+
+
+def popen_plain(procs: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([WORKER])
+
+
+def time_once(launch: Launch, name: str, gap: float) -> float:
+    dirs = make_slot(name)
     try:
-        for label, gap in (("warm", 0.0), (f"spaced {args.gap_ms:g} ms", args.gap_ms / 1000)):
-            for name, launch in (("spawner", ours), ("popen-preexec", preexec), ("popen-plain", plain)):
-                print(
-                    f"  {label:>14}  {name:<14} {summary(measure(launch, args.runs, gap, name))}", flush=True
-                )
+        procs = [str(path / "cgroup.procs") for path in dirs]
+        time.sleep(gap)
+        started = time.perf_counter()
+        child = launch(procs)
+        elapsed = (time.perf_counter() - started) * 1000
+        if child is not None:
+            child.wait()  # Popen returns once exec succeeded; reaping is not part of the launch
+        time.sleep(0.005)  # let /bin/true finish so the slot can be removed
     finally:
-        spawner.close()
+        remove_slot(dirs)
+    return elapsed
+
+
+def measure(
+    contenders: dict[str, Launch], crun: Crun | None, runs: int, gap: float
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for index in range(-1, runs):  # round -1 warms everything up and is not counted
+        for label, launch in contenders.items():
+            elapsed = time_once(launch, f"natest{os.getpid()}-{label}-{index}", gap)
+            if index >= 0:
+                times[label].append(elapsed)
+        if crun is not None:
+            elapsed = crun.run(f"natest{os.getpid()}-crun-{gap}-{index}", gap)
+            if index >= 0:
+                times["crun-run"].append(elapsed)
+    return times
+
+
+def report(title: str, times: dict[str, list[float]]) -> None:
+    ours = statistics.median(times["nodeagent"])
+    print(f"\n{title}")
+    print(f"  {'launcher':<15}{'median ms':>10}{'p99 ms':>10}{'nodeagent/this':>16}")
+    for label, values in times.items():
+        ordered = sorted(values)
+        median = statistics.median(ordered)
+        print(f"  {label:<15}{median:>10.2f}{percentile(ordered, 0.99):>10.2f}{ours / median:>15.2f}x")
+
+
+# --- --profile: where the time goes -------------------------------------------------------------------
+
+STAGES = ("agent-request", "agent-send", "child-woke", "child-joined", "child-exec", "agent-done")
+
+
+def profile(runs: int, gap: float, work: Path) -> None:
+    """Stamps along nodeagent's path (NODEAGENT_LAUNCH_TRACE), and the cgroup join alone."""
+    trace = work / "trace"
+    os.environ["NODEAGENT_LAUNCH_TRACE"] = str(trace)
+    try:
+        with Spawner() as spawner:
+            for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
+                launch = nodeagent_launcher(spawner, work, regime)
+                for index in range(runs + 1):
+                    time_once(launch, f"natest{os.getpid()}-profile-{index}", pause)
+                print_stages(regime, trace)
+    finally:
+        del os.environ["NODEAGENT_LAUNCH_TRACE"]
+    for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
+        for use_tasks in (False, True):
+            label = "tasks" if use_tasks else "cgroup.procs"
+            values = sorted(time_join(use_tasks, pause) for _ in range(min(runs, 40)))
+            print(f"  join alone, {regime:<12} via {label:<13} median {statistics.median(values):6.3f} ms")
+
+
+def print_stages(regime: str, trace: Path) -> None:
+    stamps: dict[str, dict[str, int]] = collections.defaultdict(dict)
+    for line in trace.read_text().splitlines():
+        launch_id, stage, ns = line.split()
+        if launch_id.startswith(regime + "-"):
+            stamps[launch_id][stage] = int(ns)
+    complete = [s for s in stamps.values() if len(s) == len(STAGES)][1:]  # the first one warms up
+    print(f"\nprofile, {regime} ({len(complete)} launches): median ms per stage")
+    for start, end in itertools.pairwise(STAGES):
+        values = [(s[end] - s[start]) / 1e6 for s in complete]
+        print(f"  {start + ' -> ' + end:<32} {statistics.median(values):6.3f}")
+    total = [(s[STAGES[-1]] - s[STAGES[0]]) / 1e6 for s in complete]
+    print(f"  {'total':<32} {statistics.median(total):6.3f}")
+
+
+def time_join(use_tasks: bool, gap: float) -> float:
+    """A forked child joins a fresh slot; it times its own writes and reports them on a pipe."""
+    dirs = make_slot(f"natest{os.getpid()}-join")
+    try:
+        time.sleep(gap)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            started = time.perf_counter_ns()
+            for path in dirs:
+                procs = str(path / "cgroup.procs")
+                with open(join_file(procs) if use_tasks else procs, "w") as handle:
+                    handle.write("0")
+            os.write(write_end, str(time.perf_counter_ns() - started).encode())
+            os._exit(0)
+        os.close(write_end)
+        elapsed = int(os.read(read_end, 64)) / 1e6
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    finally:
+        remove_slot(dirs)
+    return elapsed
+
+
+@contextlib.contextmanager
+def optional_crun(wanted: bool) -> Iterator[Crun | None]:
+    if not wanted or shutil.which("crun") is None or shutil.which("unshare") is None:
+        print("crun-run: skipped (crun or unshare not installed; apt-get install -y crun)")
+        yield None
+        return
+    crun = Crun()
+    try:
+        yield crun
+    finally:
+        crun.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--gap-ms", type=float, default=50.0)
+    parser.add_argument("--no-crun", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="stage breakdown of nodeagent's path instead")
+    parser.add_argument("--crun-server", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.crun_server:
+        crun_server()
+        return
+    work = Path(tempfile.mkdtemp(prefix="natest-bench-"))
+    try:
+        if args.profile:
+            profile(args.runs, args.gap_ms / 1000, work)
+            return
+        rss = Path("/proc/self/status").read_text().split("VmRSS:")[1].split("\n")[0].strip()
+        print(
+            f"launch -> exec of {WORKER} in a cpuset+memory+pids slot, {args.runs} runs each, interleaved; "
+            f"agent RSS {rss}, load {os.getloadavg()[0]:.2f}; nodeagent path: Python child (no C shim)"
+        )
+        with Spawner() as spawner, optional_crun(not args.no_crun) as crun:
+            contenders = {
+                "nodeagent": nodeagent_launcher(spawner, work),
+                "popen-preexec": popen_preexec,
+                "popen-plain": popen_plain,
+            }
+            for title, gap in (
+                (f"fresh slot ({args.gap_ms:g} ms idle before each launch)", args.gap_ms / 1000),
+                ("back-to-back", 0.0),
+            ):
+                report(title, measure(contenders, crun, args.runs, gap))
+        print(f"\nload at the end {os.getloadavg()[0]:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,49 @@
-"""The exec path that enters a slot: runs in a freshly forked child of the (single-threaded) keeper.
+"""The exec path that enters a slot: runs in a forked child of the (single-threaded) keeper.
+
+The child is forked before any request exists and does, ahead of time, everything that does not
+depend on the request (:func:`prepare_child`: signals, session, stdio, file descriptors). When the
+request arrives it enters the slot and execs (:func:`enter_slot_and_exec`).
 
 Order matters. Cgroups are joined first, so the child is accounted and confined before anything
 else happens, and long before the worker's first instruction. The network namespace, rlimits and
 the memory policy need privileges, so they come before uid/gid are dropped; no_new_privs comes
 after setuid so it also covers what the worker execs later. Any failure is written, as
-``step\\0errno\\0message``, to a close-on-exec status pipe the keeper reads: EOF there means exec
-succeeded.
+``step\\0errno\\0message``, to a close-on-exec status pipe: EOF there means exec succeeded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import platform
 import resource
 import signal
+import time
+from collections.abc import Sequence
 from typing import NoReturn
 
+from nodeagent.runtime.process import read_oom_kills
 from nodeagent.runtime.request import LaunchRequest
 
 CLONE_NEWNET = 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
 MPOL_BIND = 2
 _SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "s390x": 270}
+_PROCS = "cgroup.procs"
+#: Marks the part of the keeper's status stream that reports a failure.
+FAILED_MARK = b"\x01"
+#: A pipe's default capacity: what one write is sure to fit into without the reader's help.
+_PIPE_DEFAULT = 65536
 
 #: Loaded once in the parent so the forked child does no dynamic loading.
 _libc = ctypes.CDLL(None, use_errno=True)
 
 #: Signals Python or the spawner set to something other than default; exec keeps "ignored".
+#: SIGPIPE is reset last, just before exec: until then a write to a keeper that died must fail
+#: with EPIPE (and be reported), not kill the child silently.
 _RESET_SIGNALS = (
-    signal.SIGPIPE,
     signal.SIGXFSZ,
     signal.SIGCHLD,
     signal.SIGINT,
@@ -51,9 +65,27 @@ def _check(result: int, what: str) -> None:
         raise OSError(errno_, os.strerror(errno_), what)
 
 
-def join_cgroups(procs_files: tuple[str, ...]) -> None:
+def join_file(procs_file: str) -> str:
+    """The file a single-threaded process writes "0" to in order to join the cgroup of ``procs_file``.
+
+    On cgroup v1 that is the sibling ``tasks`` file. Moving just the calling thread lets the kernel
+    skip the global threadgroup rwsem (cgroup_procs_write_start: neither a pid nor a threadgroup
+    is named), whose write side otherwise waits for an RCU grace period whenever no migration
+    happened for a few tens of ms: 7-20 ms per launch into a fresh slot on a stock kernel. For a
+    single-threaded process the thread is the whole process. v2 has no ``tasks`` file (and moves
+    threads only within a threaded subtree), so there it stays ``cgroup.procs``.
+    """
+    if procs_file.endswith("/" + _PROCS):
+        tasks = procs_file[: -len(_PROCS)] + "tasks"
+        if os.path.exists(tasks):
+            return tasks
+    return procs_file
+
+
+def join_cgroups(procs_files: Sequence[str]) -> None:
+    """Move the calling process into each cgroup. The caller must be single-threaded."""
     for path in procs_files:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(join_file(path), os.O_WRONLY | os.O_CLOEXEC)
         try:
             # "0" means the writing task itself (cgroup v1 and v2).
             os.write(fd, b"0")
@@ -101,23 +133,68 @@ def drop_privileges(uid: int | None, gid: int | None, groups: tuple[int, ...] | 
         os.setuid(uid)
 
 
-def _wire_stdio(stdout_fd: int, stderr_fd: int) -> None:
+def close_fds_except(keep: Sequence[int]) -> None:
+    """Close every descriptor from 3 up, except ``keep`` (close_range(2) between the gaps)."""
+    low = 3
+    for fd in sorted(set(keep)):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+def prepare_child(stdout_fd: int, stderr_fd: int, keep: Sequence[int]) -> None:
+    """What a worker child does before its request exists: defaults for signals, a new session,
+    stdin from /dev/null, stdout/stderr into the keeper's pipes, and no other descriptor than
+    ``keep`` (all close-on-exec). Raises OSError."""
+    for sig in _RESET_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
+    close_fds_except(keep)
 
 
-def _steps(req: LaunchRequest, stdout_fd: int, stderr_fd: int, status_fd: int) -> NoReturn:
+class Trace:
+    """Debug stamps (CLOCK_MONOTONIC ns, comparable across processes) along the launch path.
+
+    Off unless the spawner was started with NODEAGENT_LAUNCH_TRACE naming a file; used by
+    ``bench/launch.py --profile`` to see where the time goes.
+    """
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+
+    @classmethod
+    def from_environment(cls) -> Trace:
+        path = os.environ.get("NODEAGENT_LAUNCH_TRACE")
+        if not path:
+            return cls(None)
+        return cls(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600))
+
+    def stamp(self, launch_id: str, stage: str) -> None:
+        if self.fd is not None:
+            os.write(self.fd, f"{launch_id} {stage} {time.perf_counter_ns()}\n".encode())
+
+
+def _tell_keeper(keeper_fd: int, req: LaunchRequest, message: bytes) -> None:
+    """One write, read by the keeper only after exec: the slot's OOM count, counted from inside the
+    slot so no OOM kill of this worker is missed, and the request, so the keeper knows where to
+    record the worker even if the agent dies right now."""
+    body = b"%d\n%s" % (read_oom_kills(req.oom_events), message)
+    if len(body) > _PIPE_DEFAULT:
+        fcntl.fcntl(keeper_fd, fcntl.F_SETPIPE_SZ, len(body))
+    os.write(keeper_fd, body)
+
+
+def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, trace: Trace) -> NoReturn:
     step = "join cgroups"
     try:
         join_cgroups(req.cgroup_procs)
-        step = "reset signals"
-        for sig in _RESET_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        step = "setsid"
-        os.setsid()
+        trace.stamp(req.launch_id, "child-joined")
         if req.netns is not None:
             step = f"enter netns {req.netns}"
             enter_netns(req.netns)
@@ -138,23 +215,35 @@ def _steps(req: LaunchRequest, stdout_fd: int, stderr_fd: int, status_fd: int) -
         if req.cwd is not None:
             step = f"chdir {req.cwd}"
             os.chdir(req.cwd)
-        step = "wire stdio"
-        _wire_stdio(stdout_fd, stderr_fd)
-        os.closerange(3, status_fd)
-        os.closerange(status_fd + 1, 1 << 20)
+        step = "hand the request to the keeper"
+        _tell_keeper(keeper_fd, req, message)
         step = f"exec {req.argv[0]}"
+        trace.stamp(req.launch_id, "child-exec")
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         os.execvpe(req.argv[0], list(req.argv), req.env)  # noqa: S606 - argv, never a shell line
     except OSError as err:
         raise _StepFailed(step, err) from err
 
 
-def enter_slot_and_exec(req: LaunchRequest, stdout_fd: int, stderr_fd: int, status_fd: int) -> NoReturn:
-    """Enter the slot described by ``req`` and exec its worker; on failure report and _exit(127)."""
+def enter_slot_and_exec(
+    req: LaunchRequest, message: bytes, status_fd: int, keeper_fd: int, trace: Trace | None = None
+) -> NoReturn:
+    """Enter the slot described by ``req`` and exec its worker, in a child that went through
+    :func:`prepare_child`; ``message`` is the request as received, passed on to the keeper.
+    On failure writes ``step\\0errno\\0message`` to ``status_fd`` and, after FAILED_MARK, to
+    ``keeper_fd``, then _exit(127)."""
     try:
-        _steps(req, stdout_fd, stderr_fd, status_fd)
+        _steps(req, message, keeper_fd, trace or Trace(None))
     except _StepFailed as failed:
-        message = f"{failed.step}\0{failed.err.errno or 0}\0{failed.err.strerror or failed.err}"
-        os.write(status_fd, message.encode("utf-8", "replace"))
+        text = f"{failed.step}\0{failed.err.errno or 0}\0{failed.err.strerror or failed.err}"
+        failure = text.encode("utf-8", "replace")
     except BaseException as err:  # noqa: BLE001 - a forked child must never unwind into its parent's code
-        os.write(status_fd, f"prepare\0{0}\0{err!r}".encode("utf-8", "replace"))
+        failure = f"prepare\0{0}\0{err!r}".encode("utf-8", "replace")
+    report_failure(failure, status_fd, keeper_fd)
     os._exit(127)
+
+
+def report_failure(message: bytes, status_fd: int, keeper_fd: int) -> None:
+    for fd, body in ((status_fd, message), (keeper_fd, FAILED_MARK + message)):
+        with contextlib.suppress(OSError):  # nobody left to tell; the exit status still says it failed
+            os.write(fd, body)
