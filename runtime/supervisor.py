@@ -117,6 +117,11 @@ class WorkerStatus:
     message: str
 
 
+#: Until a probe has passed once, it is retried at least this often, so a worker that is ready in
+#: 2 s is `running` in about 2 s rather than at the next full period (10 s by default).
+STARTUP_PROBE_PERIOD = 1.0
+
+
 class ProbeTracker:
     """Consecutive successes and failures of one probe, and when it is next due."""
 
@@ -124,6 +129,7 @@ class ProbeTracker:
         self.probe = probe
         self.next_due = now + probe.initial_delay_seconds
         self.passing = passing
+        self._ever_passed = passing
         self._successes = 0
         self._failures = 0
 
@@ -131,12 +137,15 @@ class ProbeTracker:
         return now >= self.next_due
 
     def record(self, ok: bool, now: float) -> None:
-        self.next_due = now + self.probe.period_seconds
+        period = self.probe.period_seconds
+        if not self._ever_passed and not ok:
+            period = min(period, STARTUP_PROBE_PERIOD)
+        self.next_due = now + period
         if ok:
             self._successes += 1
             self._failures = 0
             if self._successes >= self.probe.success_threshold:
-                self.passing = True
+                self.passing = self._ever_passed = True
         else:
             self._failures += 1
             self._successes = 0

@@ -112,6 +112,25 @@ def test_running_only_once_ready():
     assert sup.tick().phase is Phase.RUNNING
 
 
+def test_a_slow_starter_is_probed_every_second_until_first_ready_then_every_period():
+    slow = Probe(kind=ProbeKind.HTTP, port=8000, period_seconds=10.0, failure_threshold=3)
+    sup, clock, _, _, checked = make(
+        WorkerSpec(command=("w",), readiness=slow), probe_results=[False, False, True, True]
+    )
+    sup.start()
+    phases = []
+    for _ in range(3):
+        phases.append(sup.tick().phase)
+        clock.now += 1.0
+    assert phases == [Phase.STARTING, Phase.STARTING, Phase.RUNNING]
+    clock.now += 5.0  # not yet due: once ready, the probe's own 10 s period applies
+    sup.tick()
+    assert len(checked) == 3
+    clock.now += 5.0
+    sup.tick()
+    assert len(checked) == 4
+
+
 def test_readiness_loss_makes_it_unready_then_running_again():
     sup, clock, _, _, _ = make(
         WorkerSpec(command=("w",), readiness=HTTP), probe_results=[True, False, False, True]
