@@ -1,4 +1,5 @@
-"""``nodeagent slots ...``: list, show, allocate, resize and release slots through the agent's API.
+"""``nodeagent slots ...``: list, show, allocate, resize and release slots, and start and stop their
+workers, through the agent's API.
 
 Tables for people, ``--json`` for scripts. The group's ``--api`` / ``--token-file`` (or
 NODEAGENT_API / NODEAGENT_TOKEN_FILE) say where the agent is; see ``agent.client``.
@@ -18,7 +19,7 @@ import click
 
 from nodeagent.agent.client import API_ENV, TOKEN_FILE_ENV, AgentClient
 from nodeagent.agent.request import format_quantity
-from nodeagent.errors import InvalidRequest
+from nodeagent.errors import InvalidRequest, WorkerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -141,6 +142,105 @@ def release_command(ctx: click.Context, slot_id: str) -> None:
     click.echo(f"released {slot_id}")
 
 
+#: Worker phases (runtime.supervisor.Phase) in which a process runs, and those a start ends in.
+_ALIVE_PHASES = frozenset({"starting", "running", "unready", "stopping"})
+_START_FAILED_PHASES = frozenset({"failed", "exited", "crashloop", "stopped"})
+_POLL_SECONDS = 0.2
+
+_wait_options = (
+    click.option("--wait", is_flag=True, help="Wait until the worker got there (see --timeout)."),
+    click.option(
+        "--timeout",
+        type=click.FloatRange(0, 3600),
+        default=60.0,
+        show_default=True,
+        help="Seconds --wait waits before giving up.",
+    ),
+)
+
+
+def wait_options(func: F) -> F:
+    for option in reversed(_wait_options):
+        func = option(func)
+    return func
+
+
+@command.command("start")
+@click.argument("slot_id", metavar="ID")
+@click.option(
+    "--spec",
+    "spec_text",
+    metavar="JSON|@FILE|-",
+    help="The WorkerSpec as JSON, @FILE or - for stdin [default: the worker in the slot's request].",
+)
+@wait_options
+@_json_option
+@click.pass_context
+def start_command(
+    ctx: click.Context, /, slot_id: str, *, spec_text: str | None, wait: bool, timeout: float, as_json: bool
+) -> None:
+    """Start the slot's worker; with --wait, until it is running (ready)."""
+    spec = None if spec_text is None else _json_object(_read_argument(spec_text, "spec"), "--spec")
+    client = client_from(ctx)
+    slot = client.start_worker(slot_id, spec)
+    if wait:
+        slot = _wait_for_start(client, slot, timeout)
+    _print_worker_change(slot, as_json)
+
+
+@command.command("stop")
+@click.argument("slot_id", metavar="ID")
+@wait_options
+@_json_option
+@click.pass_context
+def stop_command(ctx: click.Context, /, slot_id: str, *, wait: bool, timeout: float, as_json: bool) -> None:
+    """Stop the slot's worker gracefully (the slot stays); with --wait, until it has ended."""
+    client = client_from(ctx)
+    slot = client.stop_worker(slot_id)
+    if wait:
+        slot = _poll(client, slot, timeout, lambda phase: phase not in _ALIVE_PHASES, "end")
+    _print_worker_change(slot, as_json)
+
+
+def _wait_for_start(client: AgentClient, slot: dict[str, Any], timeout: float) -> dict[str, Any]:
+    slot = _poll(
+        client, slot, timeout, lambda phase: phase == "running" or phase in _START_FAILED_PHASES, "run"
+    )
+    worker = slot.get("worker") or {}
+    if worker.get("phase") != "running":
+        raise WorkerError(
+            f"the worker of slot {slot['id']} did not start: {_worker_summary(worker)}; "
+            f"`nodeagent slots logs {slot['id']}` shows its output"
+        )
+    return slot
+
+
+def _poll(
+    client: AgentClient,
+    slot: dict[str, Any],
+    timeout: float,
+    arrived: Callable[[str], bool],
+    goal: str,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not arrived(str((slot.get("worker") or {}).get("phase"))):
+        if time.monotonic() >= deadline:
+            raise WorkerError(
+                f"the worker of slot {slot['id']} did not {goal} within {timeout:g}s; it is "
+                f"{_worker_summary(slot.get('worker') or {})}; wait longer with --timeout"
+            )
+        time.sleep(_POLL_SECONDS)
+        slot = client.get_slot(str(slot["id"]))
+    return slot
+
+
+def _print_worker_change(slot: Mapping[str, Any], as_json: bool) -> None:
+    if as_json:
+        click.echo(_dumps(slot))
+        return
+    click.echo(f"worker of slot {slot['id']} ({slot['name']}): {_worker_summary(slot.get('worker') or {})}")
+
+
 @command.command("logs")
 @click.argument("slot_id", metavar="ID")
 @click.option("--lines", "-n", type=click.IntRange(1, 10_000), default=100, show_default=True)
@@ -161,7 +261,7 @@ def _request_from(request_text: str | None, flags: Mapping[str, Any]) -> dict[st
             raise InvalidRequest(
                 f"allocate: --request and --{next(iter(given)).replace('_', '-')} both given; use one way"
             )
-        return _json_object(_read_argument(request_text), "--request")
+        return _json_object(_read_argument(request_text, "request"), "--request")
     if "name" not in given or "qos" not in given:
         raise InvalidRequest("allocate: give --request JSON, or at least --name and --qos")
     request: dict[str, Any] = {"name": given["name"], "qos": given["qos"]}
@@ -194,7 +294,7 @@ def _number_or_text(text: str) -> int | float | str:
     return text  # e.g. "500m": the agent parses it
 
 
-def _read_argument(text: str) -> str:
+def _read_argument(text: str, what: str) -> str:
     if text == "-":
         return sys.stdin.read()
     if text.startswith("@"):
@@ -202,7 +302,7 @@ def _read_argument(text: str) -> str:
         try:
             return path.read_text(encoding="utf-8")
         except OSError as err:
-            raise InvalidRequest(f"cannot read the request file {path}: {err.strerror or err}") from err
+            raise InvalidRequest(f"cannot read the {what} file {path}: {err.strerror or err}") from err
     return text
 
 
@@ -291,7 +391,7 @@ def _age(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def format_slot(slot: Mapping[str, Any]) -> str:
+def format_slot(slot: Mapping[str, Any], now: float | None = None) -> str:
     assignment = slot.get("assignment") or {}
     lines = [
         f"slot {slot['id']} ({slot['name']}): {slot['qos']}, {slot['state']}",
@@ -300,12 +400,48 @@ def format_slot(slot: Mapping[str, Any]) -> str:
         f"  numa      {','.join(map(str, assignment.get('numa_nodes', []))) or '-'}",
         f"  devices   {_devices(assignment)}",
         f"  cgroup    {slot.get('cgroup') or '-'}",
-        f"  worker    {_worker(slot.get('worker'))}",
     ]
-    worker = slot.get("worker") or {}
-    if worker.get("message"):
-        lines.append(f"            {worker['message']}")
+    lines += _worker_lines(slot.get("worker"), time.time() if now is None else now)
     if slot.get("reason"):
         lines.append(f"  reason    {slot['reason']}")
     lines.extend(f"  why       {r}" for r in assignment.get("reasons", []))
     return "\n".join(lines)
+
+
+def _worker_lines(worker: Mapping[str, Any] | None, now: float) -> list[str]:
+    """The worker's status for people: phase, pid and restarts; its last exit; the supervisor's message."""
+    if not worker:
+        return ["  worker    -"]
+    lines = [f"  worker    {_worker_summary(worker)}"]
+    last_exit = worker.get("last_exit")
+    if last_exit:
+        lines.append(f"  last exit {_describe_exit(last_exit, now)}")
+    if worker.get("message"):
+        lines.append(f"  message   {worker['message']}")
+    return lines
+
+
+def _worker_summary(worker: Mapping[str, Any]) -> str:
+    """``running (pid 4242, 2 restarts)``; ``backoff (3 restarts, next in 4s)``."""
+    details = []
+    if worker.get("pid"):
+        details.append(f"pid {worker['pid']}")
+    restarts = int(worker.get("restarts") or 0)
+    details.append("1 restart" if restarts == 1 else f"{restarts} restarts")
+    if worker.get("next_restart_in") is not None:
+        details.append(f"next in {float(worker['next_restart_in']):.0f}s")
+    return f"{worker.get('phase', '?')} ({', '.join(details)})"
+
+
+def _describe_exit(last_exit: Mapping[str, Any], now: float) -> str:
+    text = str(last_exit.get("description") or _exit_fallback(last_exit))
+    finished = last_exit.get("finished_at")
+    if finished is not None:
+        text += f", {_age(now - float(finished))} ago"
+    return text
+
+
+def _exit_fallback(last_exit: Mapping[str, Any]) -> str:
+    if last_exit.get("signal") is not None:
+        return f"killed by signal {last_exit['signal']}"
+    return f"exited with status {last_exit.get('code')}"

@@ -1,0 +1,530 @@
+"""The daemon's figures: allocation round trips through the REST API, and its footprint at rest.
+
+Run as root on a host with writable cgroups; everything lives under a test cgroup parent
+("natest<pid>b.slice"), a tmp state directory and a free loopback port, and is removed afterwards.
+
+Latency and throughput, side by side in one run:
+  in-process     SlotManager.allocate + release called directly (the same placement, SQLite writes
+                 and cgroups): the floor the API adds to
+  rest           POST /v1/slots + DELETE /v1/slots/{id} to ``nodeagent serve`` over loopback with a
+                 keep-alive httpx client
+  cli            ``nodeagent slots allocate`` + ``release`` as processes (what an operator pays)
+Each allocates a burstable slot (0.1 CPU, 32Mi, no worker) and releases it; the table gives median
+and p99 per call and allocate+release pairs per second.
+
+Footprint of ``nodeagent serve`` (and, separately, of what it starts): RSS (VmRSS) and idle CPU as %
+of one core (utime+stime from /proc/PID/stat over --idle-seconds with no API calls), fresh, with 0
+slots after the round trips, and with --slots best-effort slots (0.01 CPU, 8Mi) each running a
+minimal worker (``sleep infinity``, restart never). Targets: RSS < 80 MB, idle CPU < 1% of a core.
+``--profile`` then runs the same slots under an in-process SlotManager and profiles its
+supervision tick, to say what a tick costs per slot and where it goes.
+
+    python bench/api.py [--runs 200] [--slots 500] [--idle-seconds 30] [--cli-runs 10] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
+from nodeagent.agent.daemon import build_kernel, build_manager, ensure_state_dir
+from nodeagent.agent.manager import IsolatorKernel, SlotManager
+from nodeagent.devices.discovery import discover
+
+PARENT = f"natest{os.getpid()}b.slice"
+NETNS_PREFIX = f"nb{os.getpid()}-"
+VETH_PREFIX = "ntb"
+TICKS = os.sysconf("SC_CLK_TCK")
+PAIR_REQUEST: dict[str, Any] = {"qos": "burstable", "resources": {"cpus": 0.1, "memory": "32Mi"}}
+IDLE_WORKER = {"command": ["sleep", "infinity"], "restart": "never", "stop_grace_seconds": 1}
+RSS_TARGET_MB = 80.0
+CPU_TARGET_PERCENT = 1.0
+
+
+# =========================================================================== configuration and daemon
+
+
+def config_text() -> str:
+    return (
+        f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
+        f'veth_prefix = "{VETH_PREFIX}"\n\n[log]\nlevel = "warning"\n'
+    )
+
+
+def agent_config(state_dir: Path) -> AgentConfig:
+    data = {
+        "isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX, "veth_prefix": VETH_PREFIX},
+        "log": {"level": "warning"},
+    }
+    return apply_overrides(parse_config(data), state_dir=state_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nodeagent_argv() -> list[str]:
+    script = Path(sys.executable).parent / "nodeagent"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from nodeagent.agent.cli import main; main()"]
+
+
+class Daemon:
+    """``nodeagent serve`` as a subprocess on a free loopback port with the bench's cgroup parent."""
+
+    def __init__(self, work: Path) -> None:
+        self.state = work / "state"
+        self.config = work / "config.toml"
+        self.config.write_text(config_text())
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = work / "daemon.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def token_file(self) -> Path:
+        return self.state / "token"
+
+    def start(self) -> httpx.Client:
+        argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
+        argv += ["--listen", self.url.removeprefix("http://"), "--state-dir", str(self.state)]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"the daemon exited during start-up:\n{self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    token = self.token_file.read_text().strip()
+                    headers = {"Authorization": f"Bearer {token}"}
+                    return httpx.Client(base_url=self.url, headers=headers, timeout=120)
+            time.sleep(0.05)
+        raise SystemExit("the daemon did not become ready within 60 s")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        self.process = None
+
+
+def remove_bench_objects(state_dir: Path) -> None:
+    """Everything under the bench's cgroup parent, netns and veth prefixes (kills what runs there)."""
+    kernel = build_kernel(agent_config(state_dir), discover(gpus=False, fpgas=False))
+    if isinstance(kernel, IsolatorKernel):
+        kernel._isolator.remove_all()  # the uninstall path; no public wrapper yet
+
+
+# =========================================================================== latency
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+@dataclass
+class PairTimes:
+    allocate: list[float]
+    release: list[float]
+    elapsed: float
+
+    @property
+    def pairs_per_second(self) -> float:
+        return len(self.allocate) / self.elapsed
+
+
+def time_pairs(runs: int, allocate: Callable[[str], str], release: Callable[[str], None]) -> PairTimes:
+    times = PairTimes([], [], 0.0)
+    began = time.perf_counter()
+    for i in range(runs):
+        t0 = time.perf_counter()
+        slot_id = allocate(f"bench-{i}")
+        t1 = time.perf_counter()
+        release(slot_id)
+        t2 = time.perf_counter()
+        times.allocate.append(t1 - t0)
+        times.release.append(t2 - t1)
+    times.elapsed = time.perf_counter() - began
+    return times
+
+
+def in_process_pairs(manager: SlotManager, runs: int) -> PairTimes:
+    def allocate(name: str) -> str:
+        return manager.allocate({"name": name, **PAIR_REQUEST}).slot.id
+
+    return time_pairs(runs, allocate, manager.release)
+
+
+def rest_pairs(client: httpx.Client, runs: int) -> PairTimes:
+    def allocate(name: str) -> str:
+        response = client.post("/v1/slots", json={"name": name, **PAIR_REQUEST})
+        response.raise_for_status()
+        return str(response.json()["id"])
+
+    def release(slot_id: str) -> None:
+        client.delete(f"/v1/slots/{slot_id}").raise_for_status()
+
+    return time_pairs(runs, allocate, release)
+
+
+def cli_pairs(daemon: Daemon, runs: int) -> PairTimes:
+    base = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+
+    def run(*args: str) -> str:
+        done = subprocess.run([*base, *args], capture_output=True, text=True, check=True)
+        return done.stdout
+
+    def allocate(name: str) -> str:
+        out = run(
+            "allocate", "--name", f"cli-{name}", "--qos", "burstable", "--cpus", "0.1", "--memory", "32Mi"
+        )
+        return out.split()[2]  # "allocated slot <id> (<name>)"
+
+    def release(slot_id: str) -> None:
+        run("release", slot_id)
+
+    return time_pairs(runs, allocate, release)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+def latency_table(rows: dict[str, PairTimes]) -> str:
+    base = rows.get("in-process")
+    header = ("path", "runs", "alloc p50", "alloc p99", "release p50", "release p99", "pairs/s", "x in-proc")
+    lines = [header]
+    for name, t in rows.items():
+        ratio = statistics.median(t.allocate) / statistics.median(base.allocate) if base else float("nan")
+        lines.append(
+            (
+                name,
+                str(len(t.allocate)),
+                ms(statistics.median(t.allocate)),
+                ms(percentile(t.allocate, 0.99)),
+                ms(statistics.median(t.release)),
+                ms(percentile(t.release, 0.99)),
+                f"{t.pairs_per_second:.1f}",
+                f"{ratio:.2f}",
+            )
+        )
+    return table(lines) + "\n(latencies in ms; x in-proc: median allocate relative to the in-process call)"
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    )
+
+
+# =========================================================================== footprint
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Footprint:
+    label: str
+    rss_mb: float
+    cpu_percent: float | None
+    helpers_pss_mb: float
+    helpers_cpu_percent: float | None
+    helpers: int
+
+
+def helper_pids(daemon_pid: int, worker_pids: list[int]) -> list[int]:
+    """Processes the daemon started besides itself: the spawner and the keepers (workers excluded)."""
+    pids: set[int] = set()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        pids |= {p.pid for p in psutil.Process(daemon_pid).children(recursive=True)}
+    for pid in worker_pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids.add(psutil.Process(pid).ppid())
+    return sorted(pids - set(worker_pids) - {daemon_pid, 1})
+
+
+def total_cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
+def total_pss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_full_info().pss
+    return total / (1 << 20)
+
+
+def footprint(label: str, daemon_pid: int, idle_seconds: float, worker_pids: list[int]) -> Footprint:
+    helpers = helper_pids(daemon_pid, worker_pids)
+    cpu = helpers_cpu = None
+    if idle_seconds > 0:
+        own0, helpers0, t0 = cpu_seconds(daemon_pid), total_cpu(helpers), time.monotonic()
+        time.sleep(idle_seconds)
+        own1, helpers1, t1 = cpu_seconds(daemon_pid), total_cpu(helpers), time.monotonic()
+        cpu = 100 * (own1 - own0) / (t1 - t0)
+        helpers_cpu = 100 * (helpers1 - helpers0) / (t1 - t0)
+    return Footprint(label, rss_mb(daemon_pid), cpu, total_pss_mb(helpers), helpers_cpu, len(helpers))
+
+
+def footprint_table(rows: list[Footprint]) -> str:
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [("daemon state", "RSS MB", "idle CPU %", "helpers", "helpers PSS MB", "helpers CPU %")]
+    for f in rows:
+        lines.append(
+            (
+                f.label,
+                f"{f.rss_mb:.1f}",
+                pct(f.cpu_percent),
+                str(f.helpers),
+                f"{f.helpers_pss_mb:.1f}",
+                pct(f.helpers_cpu_percent),
+            )
+        )
+    verdicts = [
+        f"{f.label}: RSS {'OK' if f.rss_mb < RSS_TARGET_MB else 'OVER'}"
+        + (
+            ""
+            if f.cpu_percent is None
+            else f", idle CPU {'OK' if f.cpu_percent < CPU_TARGET_PERCENT else 'OVER'}"
+        )
+        for f in rows
+    ]
+    return (
+        table(lines)
+        + f"\n(targets: RSS < {RSS_TARGET_MB:g} MB, idle CPU < {CPU_TARGET_PERCENT:g}% of one core; "
+        + "helpers = spawner + keepers, not counted against the daemon)\n"
+        + "; ".join(verdicts)
+    )
+
+
+def allocate_idle_slots(client: httpx.Client, count: int) -> tuple[list[str], float]:
+    began = time.perf_counter()
+    ids = []
+    for i in range(count):
+        body = {
+            "name": f"idle-{i}",
+            "qos": "best-effort",
+            "resources": {"cpus": 0.01, "memory": "8Mi"},
+            "worker": IDLE_WORKER,
+        }
+        response = client.post("/v1/slots", json=body)
+        response.raise_for_status()
+        ids.append(str(response.json()["id"]))
+    return ids, time.perf_counter() - began
+
+
+def running_worker_pids(client: httpx.Client, expected: int, timeout: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = client.get("/v1/slots").json()["slots"]
+        pids = [s["worker"]["pid"] for s in slots if (s.get("worker") or {}).get("phase") == "running"]
+        if len(pids) >= expected or time.monotonic() > deadline:
+            return [int(p) for p in pids if p]
+        time.sleep(0.5)
+
+
+def timed_get(client: httpx.Client, path: str, runs: int = 5) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        client.get(path).raise_for_status()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# =========================================================================== profile of a tick
+
+
+def profile_ticks(state_dir: Path, slots: int, ticks: int = 20) -> str:
+    """Where an in-process manager holding ``slots`` idle workers spends: memory per slot
+    (tracemalloc over the allocations), the supervision tick, and one /metrics scrape."""
+    from nodeagent.agent.daemon import _slot_stats
+    from nodeagent.agent.metrics import Metrics
+
+    manager = build_manager(agent_config(state_dir), discover(gpus=False, fpgas=False))
+    manager.start(supervise=False)
+    report: list[str] = []
+    try:
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for i in range(slots):
+            body = {"name": f"prof-{i}", "qos": "best-effort", "resources": {"cpus": 0.01, "memory": "8Mi"}}
+            manager.allocate({**body, "worker": IDLE_WORKER})
+        manager.tick()
+        growth = tracemalloc.take_snapshot().compare_to(before, "filename")
+        tracemalloc.stop()
+        held = sum(d.size_diff for d in growth)
+        report.append(
+            f"python heap held after {slots} allocations: {held / 1024:.0f} KiB "
+            f"({held / max(slots, 1):.0f} B per slot)"
+        )
+        report += [f"  {d.size_diff / 1024:9.0f} KiB  {d.traceback[0].filename}" for d in growth[:8]]
+        t0 = time.perf_counter()
+        for _ in range(ticks):
+            manager.tick()
+        per_tick = (time.perf_counter() - t0) / ticks
+        report.append(
+            f"\nsupervision tick with {slots} idle workers: {per_tick * 1000:.2f} ms "
+            f"({per_tick / max(slots, 1) * 1e6:.1f} us per slot); at the default tick of 0.5 s that is "
+            f"{100 * per_tick / 0.5:.2f}% of a core"
+        )
+        report.append(profiled(lambda: [manager.tick() for _ in range(ticks)], 14))
+        metrics = Metrics(manager, stats_provider=_slot_stats(manager))
+        t0 = time.perf_counter()
+        metrics.render()
+        report.append(f"one /metrics render with {slots} slots: {(time.perf_counter() - t0) * 1000:.0f} ms")
+        report.append(profiled(metrics.render, 14))
+    finally:
+        for slot in manager.list_slots():
+            with contextlib.suppress(Exception):
+                manager.release(slot.id)
+        manager.close()
+    return "\n".join(report)
+
+
+def profiled(call: Callable[[], object], lines: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(lines)
+    return out.getvalue()
+
+
+# =========================================================================== main
+
+
+@contextlib.contextmanager
+def workspace() -> Iterator[Path]:
+    work = Path(tempfile.mkdtemp(prefix="natest-bench-api-"))
+    try:
+        yield work
+    finally:
+        remove_bench_objects(work / "state")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200, help="allocate+release pairs per path")
+    parser.add_argument("--cli-runs", type=int, default=10, help="pairs through the CLI (0: skip)")
+    parser.add_argument("--slots", type=int, default=500, help="idle slots with a worker for the footprint")
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="idle CPU window (0: skip)")
+    parser.add_argument("--profile", action="store_true", help="profile the supervision tick in-process")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root: the bench creates cgroups")
+
+    with workspace() as work:
+        rows: dict[str, PairTimes] = {}
+        state = ensure_state_dir(work / "inproc")
+        manager = build_manager(agent_config(state), discover(gpus=False, fpgas=False))
+        manager.start()
+        try:
+            in_process_pairs(manager, min(20, args.runs))  # warm-up
+            rows["in-process"] = in_process_pairs(manager, args.runs)
+        finally:
+            manager.close()
+        remove_bench_objects(state)
+
+        daemon = Daemon(work)
+        client = daemon.start()
+        prints: list[Footprint] = []
+        try:
+            prints.append(footprint("fresh, 0 slots", daemon.pid, 0, []))
+            rest_pairs(client, min(20, args.runs))  # warm-up
+            rows["rest"] = rest_pairs(client, args.runs)
+            if args.cli_runs:
+                rows["cli"] = cli_pairs(daemon, args.cli_runs)
+            print(latency_table(rows), flush=True)
+            prints.append(footprint("0 slots, after round trips", daemon.pid, args.idle_seconds, []))
+            ids, took = allocate_idle_slots(client, args.slots)
+            workers = running_worker_pids(client, args.slots)
+            print(
+                f"\nallocated {len(ids)} best-effort slots with workers in {took:.1f} s "
+                f"({len(ids) / took:.1f}/s); {len(workers)} workers running",
+                flush=True,
+            )
+            list_ms = timed_get(client, "/v1/slots") * 1000
+            metrics_ms = timed_get(client, "/metrics") * 1000
+            time.sleep(2)  # let the scrapes' garbage settle before the idle window
+            prints.append(
+                footprint(f"{len(ids)} slots, idle workers", daemon.pid, args.idle_seconds, workers)
+            )
+            print(
+                f"at {len(ids)} slots: GET /v1/slots {list_ms:.1f} ms, "
+                f"GET /metrics {metrics_ms:.1f} ms (median of 5)"
+            )
+            t0 = time.perf_counter()
+            for slot_id in ids:
+                client.delete(f"/v1/slots/{slot_id}").raise_for_status()
+            print(f"released {len(ids)} slots in {time.perf_counter() - t0:.1f} s\n")
+        finally:
+            client.close()
+            daemon.stop()
+        print(footprint_table(prints), flush=True)
+        remove_bench_objects(daemon.state)
+
+        if args.profile:
+            print()
+            print(profile_ticks(ensure_state_dir(work / "profile"), args.slots))
+
+
+if __name__ == "__main__":
+    main()

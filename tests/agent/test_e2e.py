@@ -1,0 +1,375 @@
+"""End to end on the real kernel: ``nodeagent serve`` as a subprocess, driven through the CLI and REST.
+
+(a) the CLI allocates a guaranteed slot with the example inference worker; isolation is checked
+from /proc and cgroupfs (cgroups, CPU affinity, memory limit, environment), an inference request
+is answered, ``slots logs`` shows the worker's output, and ``slots stop/start --wait`` cycle it;
+(b) REST allocates a burstable slot with a network namespace, whose cpuset must exclude the
+guaranteed slot's CPU; (c) both are released (CLI and REST) and nothing may remain: no slot
+cgroups, no worker processes, no netns or veth with our prefixes. The daemon then stops on SIGTERM.
+
+Names carry "natest" and this pid; the ``daemon`` fixture's finalizer cleans up whatever a
+failure left: it kills only the worker pids the test recorded and removes the test's cgroups,
+netns and veths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nodeagent.cgroups import detect
+from nodeagent.cpulist import parse_cpulist
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+PARENT = f"natest{os.getpid()}e.slice"
+NETNS_PREFIX = f"ne{os.getpid()}-"
+VETH_PREFIX = "nte"
+NETNS_DIR = Path("/run/netns")
+CLASS_PARENTS = ("burstable", "best-effort")
+ALIVE = ("starting", "running", "unready", "stopping")
+MODEL = "mlp"
+INPUT_WIDTH = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nodeagent_argv() -> list[str]:
+    """The installed console script next to this interpreter (as an operator runs it)."""
+    script = Path(sys.executable).parent / "nodeagent"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from nodeagent.agent.cli import main; main()"]
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)
+
+
+# =========================================================================== the daemon
+
+
+class Daemon:
+    """``nodeagent serve`` with a tmp state dir, a free loopback port and the test's cgroup parent."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.state = tmp / "state"
+        self.config = tmp / "config.toml"
+        self.config.write_text(
+            f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
+            f'veth_prefix = "{VETH_PREFIX}"\n\n[workers]\ntick_seconds = 0.1\n'
+        )
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = tmp / "daemon.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        #: Every worker pid the test saw: the finalizer kills these (and only these) if still alive.
+        self.worker_pids: set[int] = set()
+
+    @property
+    def token_file(self) -> Path:
+        return self.state / "token"
+
+    def start(self) -> httpx.Client:
+        argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
+        argv += ["--listen", self.url.removeprefix("http://"), "--state-dir", str(self.state)]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+        def ready() -> bool:
+            assert self.process is not None
+            assert self.process.poll() is None, (
+                f"the daemon exited during start-up:\n{self.log_path.read_text()[-3000:]}"
+            )
+            try:
+                return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("the daemon's /readyz", ready)
+        token = self.token_file.read_text().strip()
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+
+    def cli(self, *args: str) -> str:
+        """``nodeagent slots ARGS`` against this daemon; its stdout (the command must succeed)."""
+        argv = [*nodeagent_argv(), "slots", "--api", self.url, "--token-file", str(self.token_file), *args]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, f"{' '.join(args)} failed: {done.stderr}"
+        return done.stdout
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        code, self.process = self.process.returncode, None
+        return code
+
+    def remember(self, slot: dict[str, Any]) -> None:
+        pid = (slot.get("worker") or {}).get("pid")
+        if pid:
+            self.worker_pids.add(int(pid))
+
+
+def controller_mounts() -> dict[str, Path]:
+    """Where each controller the slots use is mounted (v1), or the unified mount for all (v2)."""
+    host = detect()
+    if host.v1_mounts.get("cpuset"):
+        return {c: host.v1_mounts[c] for c in ("cpuset", "memory", "pids") if c in host.v1_mounts}
+    assert host.v2_mount is not None, f"no cgroup mount found (mode {host.mode})"
+    return dict.fromkeys(("cpuset", "memory", "pids"), host.v2_mount)
+
+
+def parent_dirs() -> set[Path]:
+    host = detect()
+    roots = set(host.v1_mounts.values()) | ({host.v2_mount} if host.v2_mount else set())
+    return {root / PARENT for root in roots if (root / PARENT).is_dir()}
+
+
+def slot_cgroup_dirs() -> list[Path]:
+    """Slot cgroups under the test parent, in any hierarchy (class parents are not slots)."""
+    found = []
+    for parent in parent_dirs():
+        for level in (parent, *(parent / c for c in CLASS_PARENTS)):
+            if level.is_dir():
+                found += [d for d in level.iterdir() if d.is_dir() and d.name not in CLASS_PARENTS]
+    return found
+
+
+def our_netns() -> list[str]:
+    return (
+        sorted(n.name for n in NETNS_DIR.iterdir() if n.name.startswith(NETNS_PREFIX))
+        if NETNS_DIR.is_dir()
+        else []
+    )
+
+
+def our_veths() -> list[str]:
+    return sorted(n.name for n in Path("/sys/class/net").iterdir() if n.name.startswith(VETH_PREFIX))
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return state[state.rindex(")") + 2] == "Z"  # a zombie has ended; its keeper reaps it
+
+
+def in_test_parent(pid: int) -> bool:
+    """Pid-reuse guard for the finalizer: only a process inside our test parent is ours to kill."""
+    try:
+        return f"/{PARENT}/" in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+
+
+def clean_up(daemon: Daemon) -> None:
+    daemon.stop()
+    for pid in daemon.worker_pids:
+        if in_test_parent(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for pid in daemon.worker_pids:
+        with contextlib.suppress(AssertionError):
+            wait_until(f"worker {pid} to end", lambda p=pid: process_gone(p), timeout=10)
+    for parent in parent_dirs():
+        for path in sorted((p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+    for name in our_netns():
+        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+    for name in our_veths():
+        subprocess.run(["ip", "link", "delete", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path)
+    try:
+        yield d
+    finally:
+        clean_up(d)
+    assert not parent_dirs(), f"could not remove the test cgroups {sorted(map(str, parent_dirs()))}"
+
+
+# =========================================================================== checks
+
+
+def worker_request(name: str, port: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "qos": "guaranteed",
+        "resources": {"cpus": 1, "memory": "256Mi"},
+        "worker": {
+            "command": [sys.executable, str(REPO / "examples" / "oip_worker.py"), "--port", str(port)],
+            "readiness": {"http": {"port": port, "path": f"/v2/models/{MODEL}/ready"}, "period_seconds": 0.2},
+            "restart": "on-failure",
+            "stop_grace_seconds": 10,
+        },
+    }
+
+
+def wait_for_phase(client: httpx.Client, slot_id: str, phase: str, timeout: float = 60) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        slot: dict[str, Any] = client.get(f"/v1/slots/{slot_id}").json()
+        worker = slot.get("worker") or {}
+        assert worker.get("phase") not in ("failed", "crashloop"), f"worker failed: {worker}"
+        return slot if worker.get("phase") == phase else None
+
+    return wait_until(f"slot {slot_id}'s worker to be {phase}", reached, timeout)  # type: ignore[no-any-return]
+
+
+def proc_cgroups(pid: int) -> dict[str, str]:
+    """controller -> cgroup path of ``pid`` ("" for the v2 hierarchy), from /proc/PID/cgroup."""
+    out: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            out[controller] = path
+    return out
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def proc_status(pid: int, key: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"/proc/{pid}/status has no {key}")
+
+
+def check_confined(slot: dict[str, Any]) -> int:
+    """The slot's worker is where the slot says, from the kernel's point of view; returns its pid."""
+    pid = int(slot["worker"]["pid"])
+    cpus = frozenset(slot["assignment"]["cpus"])
+    mounts = controller_mounts()
+    memberships = proc_cgroups(pid)
+    v1 = "cpuset" in memberships
+    for controller, mount in mounts.items():
+        where = memberships[controller if v1 else ""]
+        assert where == f"/{slot['cgroup']}", f"pid {pid} is in {where} for {controller or 'cgroup2'}"
+        procs = (mount / slot["cgroup"] / "cgroup.procs").read_text().split()
+        assert str(pid) in procs, f"pid {pid} not in the slot's {controller} cgroup.procs {procs}"
+    cpuset_dir = mounts["cpuset"] / slot["cgroup"]
+    assert parse_cpulist((cpuset_dir / "cpuset.cpus").read_text()) == cpus
+    assert parse_cpulist(proc_status(pid, "Cpus_allowed_list")) == cpus
+    limit_file = "memory.limit_in_bytes" if v1 else "memory.max"
+    assert int((mounts["memory"] / slot["cgroup"] / limit_file).read_text()) == 256 << 20
+    env = proc_environ(pid)
+    assert env.get("NODEAGENT_SLOT_ID") == slot["id"]
+    assert env.get("OMP_NUM_THREADS") == str(len(cpus)) == "1"
+    return pid
+
+
+def infer(port: int) -> list[float]:
+    body = {
+        "id": "natest",
+        "inputs": [
+            {"name": "input", "datatype": "FP32", "shape": [2, INPUT_WIDTH], "data": [0.5] * 2 * INPUT_WIDTH}
+        ],
+    }
+    response = httpx.post(f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    output = response.json()["outputs"][0]
+    assert output["shape"] == [2, 10]
+    return list(output["data"])
+
+
+# =========================================================================== the test
+
+
+def test_allocate_isolate_serve_release(daemon: Daemon) -> None:
+    client = daemon.start()
+    port = free_port()
+
+    # (a) CLI: a guaranteed slot with the example worker.
+    out = daemon.cli("allocate", "--request", json.dumps(worker_request("natest-llm", port)), "--json")
+    guaranteed = json.loads(out)
+    assert (guaranteed["state"], guaranteed["assignment"]["exclusive"]) in (
+        ("ready", True),
+        ("running", True),
+    )
+    daemon.remember(guaranteed)
+    guaranteed = wait_for_phase(client, guaranteed["id"], "running")
+    daemon.remember(guaranteed)
+    first_pid = check_confined(guaranteed)
+    outputs = infer(port)
+    assert outputs == infer(port), "the seeded model must answer the same input the same way"
+    logs = daemon.cli("logs", guaranteed["id"])
+    assert f"serving model '{MODEL}'" in logs
+    assert "1 BLAS threads" in logs
+    shown = daemon.cli("show", "natest-llm")
+    assert f"  worker    running (pid {first_pid}, 0 restarts)" in shown.splitlines()
+
+    assert "stopped" in daemon.cli("stop", guaranteed["id"], "--wait", "--timeout", "30")
+    wait_until(f"the stopped worker {first_pid} to end", lambda: process_gone(first_pid))
+    assert "running" in daemon.cli("start", guaranteed["id"], "--wait", "--timeout", "60")
+    guaranteed = client.get(f"/v1/slots/{guaranteed['id']}").json()
+    daemon.remember(guaranteed)
+    second_pid = check_confined(guaranteed)
+    assert second_pid != first_pid
+    assert infer(port) == outputs
+
+    # (b) REST: a burstable slot in its own network namespace runs on the pool, not on the exclusive CPU.
+    response = client.post(
+        "/v1/slots",
+        json={
+            "name": "natest-web",
+            "qos": "burstable",
+            "resources": {"cpus": 0.5, "memory": "64Mi", "network": {}},
+        },
+    )
+    assert response.status_code == 201, response.text
+    burstable = response.json()
+    assert burstable["assignment"]["exclusive"] is False
+    pool = parse_cpulist((controller_mounts()["cpuset"] / burstable["cgroup"] / "cpuset.cpus").read_text())
+    assert pool, "the burstable slot's cpuset is empty"
+    assert not pool & set(guaranteed["assignment"]["cpus"]), "the shared pool includes the exclusive CPU"
+    assert our_netns() == [f"{NETNS_PREFIX}{burstable['id']}"]
+    assert len(our_veths()) == 1
+
+    # (c) release through both, and nothing may remain.
+    assert daemon.cli("release", "natest-llm") == "released natest-llm\n"
+    assert client.delete(f"/v1/slots/{burstable['id']}").status_code == 204
+    assert client.get("/v1/slots").json()["slots"] == []
+    assert slot_cgroup_dirs() == []
+    for pid in daemon.worker_pids:
+        wait_until(f"worker {pid} to be gone", lambda p=pid: process_gone(p), timeout=10)
+    assert our_netns() == []
+    assert our_veths() == []
+    client.close()
+    assert daemon.stop() == 0, daemon.log_path.read_text()[-3000:]
