@@ -958,7 +958,10 @@ class SpawnerRuntime:
             cpu_quota=None if a.exclusive else a.cpu_quota_millis / 1000,
         )
         template = build_launch_request(spec, description, binding, self._dir / slot.id)
-        return Supervisor(spec, template, self._launcher, cgroup)
+        # A worker in its own network namespace listens on the slot's address, which the host
+        # reaches over the slot's veth; 127.0.0.1 here would be the host's loopback, not the slot's.
+        probe_host = addresses[0] if addresses else "127.0.0.1"
+        return Supervisor(spec, template, self._launcher, cgroup, probe_host=probe_host)
 
     def readopt(self, slot_id: str, supervisor: Supervisor) -> str:
         found = resume_supervision(supervisor, self._dir / slot_id / "run")

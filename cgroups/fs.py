@@ -53,7 +53,9 @@ def read_file(root: Path, relpath: str | PurePosixPath) -> str:
 def write_file(root: Path, relpath: str | PurePosixPath, value: str | int) -> None:
     """Write one value to a cgroup file in a single write(2), as the kernel expects."""
     path = resolve(root, relpath)
-    data = str(value).encode()
+    # A zero-length write(2) never reaches the kernel's handler, so "" would silently leave the old
+    # value (an emptied cpuset would keep its CPUs); a lone newline is parsed as the empty value.
+    data = str(value).encode() or b"\n"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)  # O_TRUNC: as a shell does
         try:

@@ -217,9 +217,25 @@ class Handler(BaseHTTPRequestHandler):
         return data.reshape(shape)
 
 
+def default_host() -> str:
+    """Loopback, unless the slot gave us a network namespace of our own: then every address in it
+    is the slot's, and the agent (and clients) reach us on the slot's address from outside."""
+    if "HOST" in os.environ:
+        return os.environ["HOST"]
+    slot_file = os.environ.get("NODEAGENT_SLOT_FILE")
+    if slot_file:
+        try:
+            with open(slot_file) as f:
+                if json.load(f).get("addresses"):
+                    return "0.0.0.0"  # noqa: S104 - only inside the slot's own netns
+        except (OSError, ValueError):
+            pass
+    return "127.0.0.1"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
+    parser.add_argument("--host", default=default_host())
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     parser.add_argument("--model", default=os.environ.get("MODEL_NAME", "mlp"))
     parser.add_argument("--inputs", type=int, default=64)

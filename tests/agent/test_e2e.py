@@ -295,14 +295,14 @@ def check_confined(slot: dict[str, Any]) -> int:
     return pid
 
 
-def infer(port: int) -> list[float]:
+def infer(port: int, host: str = "127.0.0.1") -> list[float]:
     body = {
         "id": "natest",
         "inputs": [
             {"name": "input", "datatype": "FP32", "shape": [2, INPUT_WIDTH], "data": [0.5] * 2 * INPUT_WIDTH}
         ],
     }
-    response = httpx.post(f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer", json=body, timeout=30)
+    response = httpx.post(f"http://{host}:{port}/v2/models/{MODEL}/infer", json=body, timeout=30)
     assert response.status_code == 200, response.text
     output = response.json()["outputs"][0]
     assert output["shape"] == [2, 10]
@@ -344,17 +344,20 @@ def test_allocate_isolate_serve_release(daemon: Daemon) -> None:
     assert second_pid != first_pid
     assert infer(port) == outputs
 
-    # (b) REST: a burstable slot in its own network namespace runs on the pool, not on the exclusive CPU.
-    response = client.post(
-        "/v1/slots",
-        json={
-            "name": "natest-web",
-            "qos": "burstable",
-            "resources": {"cpus": 0.5, "memory": "64Mi", "network": {}},
-        },
-    )
+    # (b) REST: a burstable slot in its own network namespace runs on the pool, not on the exclusive CPU,
+    # and its worker, listening inside the namespace, is probed and served through the slot's address.
+    web_port = free_port()
+    web = worker_request("natest-web", web_port)
+    web["qos"] = "burstable"
+    web["resources"] = {"cpus": 0.5, "memory": "256Mi", "network": {}}
+    response = client.post("/v1/slots", json=web)
     assert response.status_code == 201, response.text
-    burstable = response.json()
+    burstable = wait_for_phase(client, response.json()["id"], "running")
+    daemon.remember(burstable)
+    slot_address = burstable["network"]["slot_address"]
+    assert infer(web_port, slot_address) == outputs
+    with pytest.raises(httpx.ConnectError):
+        infer(web_port)  # nothing listens on the host's loopback: the worker is in its own netns
     assert burstable["assignment"]["exclusive"] is False
     pool = parse_cpulist((controller_mounts()["cpuset"] / burstable["cgroup"] / "cpuset.cpus").read_text())
     assert pool, "the burstable slot's cpuset is empty"

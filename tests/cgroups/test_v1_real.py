@@ -41,6 +41,14 @@ def test_this_host_is_detected_as_hybrid() -> None:
     assert host.can_write
 
 
+def test_an_empty_cpuset_is_really_emptied(v1_group: CgroupManager) -> None:
+    # "" is a zero-length write that the kernel never sees: the old CPUs would silently stay.
+    v1_group.create()
+    v1_group.set(Resources(cpuset_cpus=frozenset({0})))
+    v1_group.set(Resources(cpuset_cpus=frozenset()))
+    assert (v1_group.paths()["cpuset"] / "cpuset.cpus").read_text().strip() == ""
+
+
 def test_lifecycle_create_set_add_stats_freeze_kill_delete(v1_group: CgroupManager, spawn) -> None:
     v1_group.create()
     v1_group.create()  # idempotent
