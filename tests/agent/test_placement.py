@@ -6,6 +6,7 @@ By default the first physical core (CPU 0 and its sibling) is reserved for the s
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -595,3 +596,47 @@ def test_reserved_cpus_must_exist() -> None:
 def test_small_hosts_reserve_nothing_by_default() -> None:
     topo = synthetic_topology(1, 1, 1, 2)
     assert plan(topo, Allocated(), request(cpus=2)).cpus == (0, 1)
+
+
+# --------------------------------------------------------------------------- ledgers handed down
+
+# Ledgers made by add/remove carry per-node caches forward; they must decide exactly like a ledger
+# rebuilt from scratch, or a stale cache would hand out a CPU or device twice.
+HANDED_DOWN_TOPOLOGY = synthetic_topology(
+    2, 3, 4, 2, gpu_numa=[0, 0, 3, None], mig={1: ["1g.10gb", "1g.10gb", "3g.40gb"]}
+)
+EXTRAS: list[dict[str, Any]] = [
+    {},
+    {"gpus": 1},
+    {"gpu_profile": "1g.10gb"},
+    {"gpu_share": 0.5},
+    {"memory": "20Gi"},
+]
+
+
+def _outcome(ledger: Allocated, req: Any, options: PlacementOptions) -> Any:
+    try:
+        return plan(HANDED_DOWN_TOPOLOGY, ledger, req, options).to_dict()
+    except PlacementError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_handed_down_ledgers_decide_like_fresh_ones(seed: int) -> None:
+    rng = random.Random(seed)
+    options = PlacementOptions(shareable_gpus=frozenset({"3"}), whole_cores=rng.random() < 0.7)
+    ledger, held = Allocated(), []
+    for i in range(60):
+        if held and rng.random() < 0.4:
+            ledger = ledger.remove(held.pop(rng.randrange(len(held))))
+            continue
+        resources = {"cpus": rng.choice([1, 2, 4, 6, 8]), "numa": rng.choice(["single", "prefer", "none"])}
+        req = parse_slot_request(
+            {"name": f"s{i}", "qos": "guaranteed", "resources": {**resources, **rng.choice(EXTRAS)}}
+        )
+        got = _outcome(ledger, req, options)
+        assert got == _outcome(Allocated.from_dict(ledger.to_dict(), HANDED_DOWN_TOPOLOGY), req, options)
+        if isinstance(got, dict):
+            assignment = plan(HANDED_DOWN_TOPOLOGY, ledger, req, options)
+            ledger = ledger.add(assignment)
+            held.append(assignment)
