@@ -71,7 +71,11 @@ class Daemon:
         base = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, "the daemon exited during start-up; see daemon.log"
+            if self.process.poll() is not None:
+                tail = Path(self.log.name).read_text()[-3000:]
+                raise AssertionError(
+                    f"the daemon exited during start-up ({self.process.returncode}):\n{tail}"
+                )
             try:
                 if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
                     token = (self.state / "token").read_text().strip()
