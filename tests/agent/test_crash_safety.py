@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +23,7 @@ from nodeagent.agent.daemon import build_kernel
 from nodeagent.agent.manager import IsolatorKernel
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
+from tests.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -38,67 +35,11 @@ NAMES = ("a", "b", "c")
 HOLDING = ("pending", "ready", "running", "releasing")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Daemon:
-    def __init__(self, tmp: Path) -> None:
-        self.state = tmp / "state"
-        self.config = tmp / "config.toml"
-        self.config.write_text(f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n')
-        self.port = free_port()
-        self.log = (tmp / "daemon.log").open("ab")
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> httpx.Client:
-        argv = [sys.executable, "-c", "from nodeagent.agent.cli import main; main()", "serve"]
-        argv += [
-            "--config",
-            str(self.config),
-            "--listen",
-            f"127.0.0.1:{self.port}",
-            "--state-dir",
-            str(self.state),
-        ]
-        self.process = subprocess.Popen(
-            argv,
-            stdout=self.log,
-            stderr=self.log,
-        )
-        base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = Path(self.log.name).read_text()[-3000:]
-                raise AssertionError(
-                    f"the daemon exited during start-up ({self.process.returncode}):\n{tail}"
-                )
-            try:
-                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                    token = (self.state / "token").read_text().strip()
-                    return httpx.Client(
-                        base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30
-                    )
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError("the daemon did not become ready in 30 s")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(timeout=30)
-        self.process = None
-
-
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(tmp_path)
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n')
     yield d
-    d.kill(signal.SIGTERM)
+    d.stop()
     cfg = apply_overrides(
         parse_config({"isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX}}),
         state_dir=d.state,
@@ -106,7 +47,6 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     kernel = build_kernel(cfg, discover(gpus=False, fpgas=False))
     if isinstance(kernel, IsolatorKernel):
         kernel._isolator.remove_all()
-    d.log.close()
 
 
 def random_operation(client: httpx.Client, rng: random.Random) -> None:
@@ -182,7 +122,7 @@ def check_invariants(client: httpx.Client) -> None:
             assert worker.get("phase") in ("starting", "running", "unready", "stopping")
 
 
-def test_sigkill_at_random_points_never_double_books(daemon: Daemon) -> None:
+def test_sigkill_at_random_points_never_double_books(daemon: DaemonProcess) -> None:
     rng = random.Random(os.environ.get("NODEAGENT_CRASH_SEED", "7"))
     began = time.monotonic()
     for _ in range(ITERATIONS):

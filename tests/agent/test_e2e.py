@@ -18,11 +18,9 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import pytest
 
 from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
+from tests.daemon import DaemonProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -45,93 +44,20 @@ MODEL = "mlp"
 INPUT_WIDTH = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def nodeagent_argv() -> list[str]:
-    """The installed console script next to this interpreter (as an operator runs it)."""
-    script = Path(sys.executable).parent / "nodeagent"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from nodeagent.agent.cli import main; main()"]
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
 # =========================================================================== the daemon
 
 
-class Daemon:
-    """``nodeagent serve`` with a tmp state dir, a free loopback port and the test's cgroup parent."""
+class Daemon(DaemonProcess):
+    """The daemon under the test's cgroup parent, netns and veth prefixes; remembers worker pids."""
 
     def __init__(self, tmp: Path) -> None:
-        self.state = tmp / "state"
-        self.config = tmp / "config.toml"
-        self.config.write_text(
+        super().__init__(
+            tmp,
             f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-            f'veth_prefix = "{VETH_PREFIX}"\n\n[workers]\ntick_seconds = 0.1\n'
+            f'veth_prefix = "{VETH_PREFIX}"\n\n[workers]\ntick_seconds = 0.1\n',
         )
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = tmp / "daemon.log"
-        self.process: subprocess.Popen[bytes] | None = None
         #: Every worker pid the test saw: the finalizer kills these (and only these) if still alive.
         self.worker_pids: set[int] = set()
-
-    @property
-    def token_file(self) -> Path:
-        return self.state / "token"
-
-    def start(self) -> httpx.Client:
-        argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
-        argv += ["--listen", self.url.removeprefix("http://"), "--state-dir", str(self.state)]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-
-        def ready() -> bool:
-            assert self.process is not None
-            assert self.process.poll() is None, (
-                f"the daemon exited during start-up:\n{self.log_path.read_text()[-3000:]}"
-            )
-            try:
-                return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_until("the daemon's /readyz", ready)
-        token = self.token_file.read_text().strip()
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-
-    def cli(self, *args: str) -> str:
-        """``nodeagent slots ARGS`` against this daemon; its stdout (the command must succeed)."""
-        argv = [*nodeagent_argv(), "slots", "--api", self.url, "--token-file", str(self.token_file), *args]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0, f"{' '.join(args)} failed: {done.stderr}"
-        return done.stdout
-
-    def stop(self) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-        code, self.process = self.process.returncode, None
-        return code
 
     def remember(self, slot: dict[str, Any]) -> None:
         pid = (slot.get("worker") or {}).get("pid")
