@@ -40,6 +40,29 @@ def api_options(func: F) -> F:
     )(func)
 
 
+def _override(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if value is not None:
+        meta = ctx.find_root().meta
+        api, token_file = meta.get("nodeagent.api") or (None, None)
+        meta["nodeagent.api"] = (value, token_file) if param.name == "api" else (api, value)
+    return value
+
+
+def subcommand_api_options(func: F) -> F:
+    """The same two options after the subcommand too (``nodeagent slots list --api URL``), which is
+    where people type them; a value given there wins over the group's."""
+    func = click.option(
+        "--token-file",
+        type=click.Path(path_type=Path, dir_okay=False),
+        expose_value=False,
+        callback=_override,
+        help="The agent's API token file (as for `nodeagent slots`).",
+    )(func)
+    return click.option(
+        "--api", metavar="URL", expose_value=False, callback=_override, help="The agent's API URL."
+    )(func)
+
+
 def client_from(ctx: click.Context) -> AgentClient:
     """The client for this invocation, built on first use and closed when the command ends."""
     options = ctx.find_root().meta.get("nodeagent.api") or (None, None)
@@ -58,6 +81,7 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON 
 
 
 @command.command("list")
+@subcommand_api_options
 @_json_option
 @click.pass_context
 def list_command(ctx: click.Context, as_json: bool) -> None:
@@ -67,6 +91,7 @@ def list_command(ctx: click.Context, as_json: bool) -> None:
 
 
 @command.command("show")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @_json_option
 @click.pass_context
@@ -77,6 +102,7 @@ def show_command(ctx: click.Context, slot_id: str, as_json: bool) -> None:
 
 
 @command.command("allocate")
+@subcommand_api_options
 @click.option(
     "--request",
     "request_text",
@@ -108,6 +134,7 @@ def allocate_command(ctx: click.Context, /, request_text: str | None, as_json: b
 
 
 @command.command("resize")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @click.option("--resources", "resources_text", metavar="JSON", help="A partial resources object.")
 @click.option("--cpus", help="New CPU count or quota.")
@@ -134,6 +161,7 @@ def resize_command(
 
 
 @command.command("release")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @click.pass_context
 def release_command(ctx: click.Context, slot_id: str) -> None:
@@ -166,6 +194,7 @@ def wait_options(func: F) -> F:
 
 
 @command.command("start")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @click.option(
     "--spec",
@@ -189,6 +218,7 @@ def start_command(
 
 
 @command.command("stop")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @wait_options
 @_json_option
@@ -242,6 +272,7 @@ def _print_worker_change(slot: Mapping[str, Any], as_json: bool) -> None:
 
 
 @command.command("logs")
+@subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @click.option("--lines", "-n", type=click.IntRange(1, 10_000), default=100, show_default=True)
 @click.pass_context

@@ -198,6 +198,12 @@ def test_environment_variables_select_the_agent(agent: Agent) -> None:
     assert (result.exit_code, result.stdout) == (0, "no slots\n")
 
 
+def test_api_options_also_work_after_the_subcommand(agent: Agent) -> None:
+    argv = ["slots", "--api", "http://127.0.0.1:9", "list", "--api", agent.url]
+    result = CliRunner().invoke(cli, [*argv, "--token-file", str(agent.token_file)])
+    assert (result.exit_code, result.stdout) == (0, "no slots\n"), result.stderr
+
+
 def test_missing_token_file_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="NODEAGENT_TOKEN_FILE"):
         read_token(tmp_path / "natest-missing")
