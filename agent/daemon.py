@@ -21,13 +21,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import IsolatorKernel, SlotKernel, SlotManager, SpawnerRuntime, UnisolatedKernel
 from nodeagent.agent.placement import placement_index
+from nodeagent.agent.service import SlotView
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
@@ -139,17 +140,31 @@ def build_kernel(config: AgentConfig, topology: Topology) -> SlotKernel:
     return IsolatorKernel(SlotIsolator(host, isolation), topology, pids_max=iso.pids_max)
 
 
-def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
-    """Per-slot cgroup statistics for the metrics scrape (None for a slot without a cgroup)."""
-    host = detect()
+class SlotStats:
+    """Per-slot cgroup statistics for the metrics scrape (None for a slot without a cgroup).
 
-    def stats(slot_id: str) -> CgroupStats | None:
-        cgroup = manager.get_slot(slot_id).cgroup
-        if cgroup is None or not host.can_write:
+    The scrape hands over the slots it listed (``prepare``), so each slot's cgroup comes from that
+    one listing instead of a database lookup per slot; a slot it did not list is looked up.
+    """
+
+    def __init__(self, manager: SlotManager) -> None:
+        self._manager = manager
+        self._host = detect()
+        self._cgroups: dict[str, str | None] = {}
+
+    def prepare(self, slots: Sequence[SlotView]) -> None:
+        self._cgroups = {slot.id: slot.cgroup for slot in slots}
+
+    def __call__(self, slot_id: str) -> CgroupStats | None:
+        if not self._host.can_write:
             return None
-        return open_manager(host, cgroup).stats()
+        cgroups = self._cgroups
+        cgroup = cgroups[slot_id] if slot_id in cgroups else self._manager.get_slot(slot_id).cgroup
+        return None if cgroup is None else open_manager(self._host, cgroup).stats()
 
-    return stats
+
+def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
+    return SlotStats(manager)
 
 
 def build_manager(config: AgentConfig, topology: Topology | None = None) -> SlotManager:
@@ -319,6 +334,7 @@ def serve(config: AgentConfig) -> None:
 
 __all__ = [
     "JsonFormatter",
+    "SlotStats",
     "build_kernel",
     "build_manager",
     "ensure_state_dir",

@@ -40,8 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import logging
+import os
 import secrets
+import select
 import shutil
 import socket
 import threading
@@ -73,7 +77,7 @@ from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
 from nodeagent.runtime.logs import tail
-from nodeagent.runtime.process import ExitRecord
+from nodeagent.runtime.process import ExitRecord, pidfd_exited
 from nodeagent.runtime.spawner import Spawner
 from nodeagent.runtime.spec import WorkerSpec, parse_worker_spec
 from nodeagent.runtime.supervisor import Phase, SlotCgroup, SpawnerLauncher, Supervisor, WorkerStatus
@@ -218,6 +222,18 @@ def worker_status_dict(status: WorkerStatus) -> dict[str, Any]:
     }
 
 
+def _same_status(a: WorkerStatus, b: WorkerStatus) -> bool:
+    """Equal but for the restart countdown, which changes every instant and is computed when read."""
+    return (
+        a.phase is b.phase
+        and a.pid == b.pid
+        and a.restarts == b.restarts
+        and a.consecutive_failures == b.consecutive_failures
+        and a.last_exit == b.last_exit
+        and a.message == b.message
+    )
+
+
 def exit_dict(record: ExitRecord) -> dict[str, Any]:
     return {
         "code": record.code,
@@ -257,7 +273,15 @@ class SlotManager:
         self._started_at = clock()
         self._lock = threading.RLock()
         self._supervisors: dict[str, Supervisor] = {}
-        self._worker_status: dict[str, dict[str, Any]] = {}
+        self._worker_status: dict[str, WorkerStatus] = {}
+        # The supervision loop's agenda: when each supervisor next has timed work (stale heap
+        # entries are skipped by checking _due), and which pidfd belongs to which slot.
+        self._due: dict[str, float] = {}
+        self._agenda: list[tuple[float, int, str]] = []
+        self._agenda_order = itertools.count()
+        self._exit_watch: select.epoll | None = None
+        self._wake_fd = -1
+        self._fd_slots: dict[int, str] = {}
         self._subscribers: list[Callable[[], None]] = []
         self._ready = False
         self._stop = threading.Event()
@@ -269,6 +293,10 @@ class SlotManager:
 
     def start(self, *, supervise: bool = True) -> ReconcileReport:
         """Reconcile database and kernel, then (``supervise``) start the supervision thread."""
+        if supervise and self._exit_watch is None:
+            self._exit_watch = select.epoll()
+            self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            self._exit_watch.register(self._wake_fd, select.EPOLLIN)
         report = self.reconcile()
         if supervise and self._thread is None:
             self._stop.clear()
@@ -281,9 +309,15 @@ class SlotManager:
     def close(self) -> None:
         """Stop supervision (workers keep running: they outlive the agent) and close the store."""
         self._stop.set()
+        if self._wake_fd >= 0:
+            os.eventfd_write(self._wake_fd, 1)
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+            os.close(self._wake_fd)
+            self._exit_watch, self._wake_fd = None, -1
         self._runtime.close()
         self._store.close()
 
@@ -490,6 +524,7 @@ class SlotManager:
                 self._kernel.set_shared_pool(self._shared_pool())
         self._store.delete_slot(record.id)
         self._worker_status.pop(record.id, None)
+        self._due.pop(record.id, None)
         self._runtime.discard(record.id)
         self._store.add_event("release", f"slot {record.name!r} released", record.id)
 
@@ -528,6 +563,7 @@ class SlotManager:
         supervisor.start()
         self._supervisors[record.id] = supervisor
         self._record_status(record.id, supervisor.status())
+        self._schedule(record.id, supervisor)
         self._store.add_event("worker", f"worker of {record.name!r}: {supervisor.message}", record.id)
 
     def stop_worker(self, slot_id: str) -> SlotView:
@@ -539,6 +575,7 @@ class SlotManager:
             self._store.update_worker(record.id, desired="stopped")
             supervisor.stop()
             self._record_status(record.id, supervisor.tick())
+            self._schedule(record.id, supervisor)
             self._store.add_event("worker", f"worker of {record.name!r}: stop requested", record.id)
         self._notify()
         return self.get_slot(slot_id)
@@ -558,35 +595,107 @@ class SlotManager:
     # ------------------------------------------------------------------ supervision
 
     def _supervise_loop(self) -> None:
-        while not self._stop.wait(self._tick_seconds):
+        # One epoll set holds every worker's pidfd, so an idle loop makes no per-slot system call:
+        # it wakes for an exit, for the earliest timed work (probe, stop deadline, restart), or
+        # after tick_seconds at the latest, and then ticks only the supervisors concerned.
+        watch = self._exit_watch
+        assert watch is not None
+        while not self._stop.is_set():
             try:
-                self.tick()
+                events = watch.poll(self._wait_seconds())
+                self._tick_due([fd for fd, _ in events])
             except Exception:  # the loop must survive any one bad tick
                 log.exception("supervision tick failed")
+                self._stop.wait(self._tick_seconds)
 
     def tick(self) -> None:
-        """Advance every supervisor once and persist what changed (the loop calls this)."""
+        """Advance every supervisor once and persist what changed (a full sweep)."""
         changed = False
         with self._lock:
             for slot_id, supervisor in list(self._supervisors.items()):
                 changed |= self._record_status(slot_id, supervisor.tick())
+                self._schedule(slot_id, supervisor)
         if changed:
             self._notify()
 
-    def _record_status(self, slot_id: str, status: WorkerStatus) -> bool:
-        body = worker_status_dict(status)
-        previous = self._worker_status.get(slot_id)
-        interesting = {k: v for k, v in body.items() if k != "next_restart_in"}
-        if (
-            previous is not None
-            and {k: v for k, v in previous.items() if k != "next_restart_in"} == interesting
-        ):
-            self._worker_status[slot_id] = body
+    def _tick_due(self, fired: Sequence[int]) -> None:
+        """Tick the supervisors whose worker exited (``fired`` pidfds) or whose timed work is due."""
+        changed = False
+        with self._lock:
+            due: set[str] = set()
+            for fd in fired:
+                if fd == self._wake_fd:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(fd)
+                elif (slot_id := self._fd_slots.pop(fd, None)) is not None:
+                    due.add(slot_id)
+            now = time.monotonic()
+            while self._agenda and self._agenda[0][0] <= now:
+                when, _, slot_id = heapq.heappop(self._agenda)
+                if self._due.get(slot_id) == when:
+                    del self._due[slot_id]
+                    due.add(slot_id)
+            for slot_id in due:
+                supervisor = self._supervisors.get(slot_id)
+                if supervisor is not None:
+                    changed |= self._record_status(slot_id, supervisor.tick())
+                    self._schedule(slot_id, supervisor)
+        if changed:
+            self._notify()
+
+    def _wait_seconds(self) -> float:
+        with self._lock:
+            while self._agenda and self._due.get(self._agenda[0][2]) != self._agenda[0][0]:
+                heapq.heappop(self._agenda)  # superseded or released
+            if not self._agenda:
+                return self._tick_seconds
+            return min(self._tick_seconds, max(0.0, self._agenda[0][0] - time.monotonic()))
+
+    def _schedule(self, slot_id: str, supervisor: Supervisor) -> None:
+        """Put a supervisor on the agenda after anything touched it: arm its pidfd, note its next due time."""
+        due_in = supervisor.due_in()
+        fd = supervisor.exit_fd()
+        if (fd is None or not self._watch_exit(fd, slot_id)) and supervisor.phase in _ALIVE_PHASES:
+            # Nothing will say when this worker exits (or it has, and the keeper has yet to write
+            # down how): poll it every tick, as a fixed-tick loop would.
+            due_in = self._tick_seconds if due_in is None else min(due_in, self._tick_seconds)
+        if due_in is None:
+            self._due.pop(slot_id, None)
+            return
+        when = time.monotonic() + due_in
+        self._due[slot_id] = when
+        heapq.heappush(self._agenda, (when, next(self._agenda_order), slot_id))
+        if len(self._agenda) > 2 * len(self._due) + 64:
+            # Superseded entries are dropped as they come up; rescheduling far ahead of that
+            # (full sweeps, long backoffs) would let them pile up, so rebuild from _due.
+            self._agenda = [(t, next(self._agenda_order), s) for s, t in self._due.items()]
+            heapq.heapify(self._agenda)
+
+    def _watch_exit(self, pidfd: int, slot_id: str) -> bool:
+        """Arm a one-shot wake-up for this pidfd; False when it cannot serve (no loop, already exited)."""
+        watch = self._exit_watch
+        if watch is None or pidfd_exited(pidfd):
+            # An exited pidfd stays readable: armed, it would wake the loop again and again.
             return False
-        self._worker_status[slot_id] = body
+        self._fd_slots[pidfd] = slot_id
+        flags = select.EPOLLIN | select.EPOLLONESHOT
+        try:
+            watch.register(pidfd, flags)
+        except FileExistsError:
+            watch.modify(pidfd, flags)  # one-shot: fired once, re-armed here
+        except OSError:
+            return False
+        return True
+
+    def _record_status(self, slot_id: str, status: WorkerStatus) -> bool:
+        previous = self._worker_status.get(slot_id)
+        self._worker_status[slot_id] = status
+        if previous is not None and _same_status(previous, status):
+            return False
         record = self._store.get_slot(slot_id)
         if record is None:
             return False
+        body = worker_status_dict(status)
         with self._store.transaction():
             self._store.update_worker(
                 slot_id,
@@ -598,7 +707,7 @@ class SlotManager:
             wanted = SlotState.RUNNING if status.phase is Phase.RUNNING else SlotState.READY
             if record.state in (SlotState.READY, SlotState.RUNNING) and record.state != wanted:
                 self._store.update_slot(slot_id, state=wanted)
-        if previous is None or previous["phase"] != body["phase"]:
+        if previous is None or previous.phase is not status.phase:
             self._store.add_event("worker", f"worker {body['phase']}: {status.message}", slot_id)
         return True
 
@@ -689,6 +798,7 @@ class SlotManager:
             report.workers_started.append(record.name)
         self._supervisors[record.id] = supervisor
         self._record_status(record.id, supervisor.status())
+        self._schedule(record.id, supervisor)
 
     # ------------------------------------------------------------------ helpers
 
@@ -716,8 +826,14 @@ class SlotManager:
         )
 
     def _view(self, record: SlotRecord) -> SlotView:
-        worker = self._worker_status.get(record.id)
-        if worker is None:
+        status = self._worker_status.get(record.id)
+        worker: dict[str, Any] | None
+        if status is not None:
+            supervisor = self._supervisors.get(record.id)
+            if status.next_restart_in is not None and supervisor is not None:
+                status = supervisor.status()  # the countdown as of now, not as of the last tick
+            worker = worker_status_dict(status)
+        else:
             stored = self._store.get_worker(record.id)
             worker = None if stored is None or stored.status is None else dict(stored.status)
         return SlotView(

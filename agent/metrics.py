@@ -47,7 +47,9 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 T = TypeVar("T")
 
-#: Slot id -> its cgroup's current figures, or None when the slot has no cgroup (yet).
+#: Slot id -> its cgroup's current figures, or None when the slot has no cgroup (yet). A provider
+#: may also have a ``prepare(slots)`` method: each scrape then hands it the slots it has just listed
+#: before asking for figures, so it need not look each slot up again.
 StatsProvider = Callable[[str], CgroupStats | None]
 
 
@@ -118,11 +120,17 @@ class _ServiceCollector(Collector):
         if service is None:
             return
         yield from self._section("node", lambda: _node_metrics(service))
+        # Capacity first: it reads every slot too, and its copy is gone before the listing below
+        # is made, so a scrape holds one copy of the slots at a time (a lower high-water mark).
+        capacity = self._section("capacity", lambda: _capacity_metrics(service.capacity()))
         slots = self._guarded("slots", service.list_slots)
         if slots is not None:
             yield from _slot_metrics(slots)
-        yield from self._section("capacity", lambda: _capacity_metrics(service.capacity()))
+        yield from capacity
         if slots is not None and self.stats_provider is not None:
+            prepare = getattr(self.stats_provider, "prepare", None)
+            if callable(prepare):
+                prepare(slots)
             yield from _usage_metrics(slots, self.stats_provider, self.metrics.scrape_errors)
 
     def _section(self, name: str, build: Callable[[], list[Metric]]) -> list[Metric]:

@@ -27,7 +27,7 @@ class CgroupManager(ABC):
     version: str
 
     def __init__(self, relpath: str) -> None:
-        fs.resolve(Path("/"), relpath)  # reject absolute paths and '..' early
+        fs.check_relative(relpath)  # reject absolute paths and '..' early
         self.relpath = relpath.strip("/")
         if not self.relpath:
             # Killing or deleting "everything under the root" is never what a caller means.

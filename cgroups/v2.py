@@ -135,16 +135,22 @@ class V2Manager(CgroupManager):
         )
 
     def stats(self) -> CgroupStats:
-        cpu = fs.read_keyed(self._mount, self._rel("cpu.stat"))
+        # The directory is checked once, then its files are read by name (see fs.CgroupDir).
+        directory = fs.resolve_dir(self._mount, self.relpath)
+        cpu = fs.read_keyed(directory, "cpu.stat")
+        events = fs.read_optional(directory, "memory.events")
+        values = {} if events is None else fs.parse_keyed(events)
         return CgroupStats(
             cpu_usage_ns=_usec_to_ns(cpu.get("usage_usec")),
             cpu_periods=cpu.get("nr_periods"),
             cpu_throttled_periods=cpu.get("nr_throttled"),
             cpu_throttled_ns=_usec_to_ns(cpu.get("throttled_usec")),
-            memory_current=self._int("memory.current"),
-            memory_peak=self._int("memory.peak"),
-            oom=self.oom_events(),
-            pids_current=self._int("pids.current"),
+            memory_current=_optional_int(directory, "memory.current"),
+            memory_peak=_optional_int(directory, "memory.peak"),
+            oom=OomEvents(None, None)
+            if events is None
+            else OomEvents(oom=values.get("oom", 0), oom_kill=values.get("oom_kill", 0)),
+            pids_current=_optional_int(directory, "pids.current"),
         )
 
     def _int(self, name: str) -> int | None:
@@ -172,6 +178,11 @@ class V2Manager(CgroupManager):
                 if err.errno not in (errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOSYS, errno.ENOENT):
                     raise
         super().delete(timeout)
+
+
+def _optional_int(directory: fs.CgroupDir, name: str) -> int | None:
+    text = fs.read_optional(directory, name)
+    return None if text is None else fs.parse_int(text, directory, name)
 
 
 def _usec_to_ns(value: int | None) -> int | None:

@@ -170,8 +170,11 @@ def pidfd_exited(pidfd: int) -> bool:
     """A pidfd polls readable once its process has exited (zombie or reaped); -1 stands for gone."""
     if pidfd < 0:
         return True
-    ready, _, _ = select.select([pidfd], [], [], 0)
-    return bool(ready)
+    # poll(2), not select(2): a daemon holding two pidfds per worker passes fd 1024 (FD_SETSIZE)
+    # at about 500 workers, and select() refuses any descriptor from there on.
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class WorkerProcess:
@@ -195,6 +198,11 @@ class WorkerProcess:
     @property
     def identity(self) -> ProcessIdentity:
         return self.state.worker
+
+    @property
+    def exit_fd(self) -> int | None:
+        """The worker's pidfd, for a loop that waits on many workers at once; None when gone."""
+        return self._pidfd if self._pidfd >= 0 else None
 
     def send_signal(self, sig: int) -> None:
         """Signal the worker through its pidfd: never a stranger that inherited the pid."""

@@ -266,6 +266,33 @@ class Supervisor:
             self._launch(now)
         return self.status()
 
+    def due_in(self) -> float | None:
+        """Seconds until ``tick()`` has timed work (a probe, a stop deadline, a restart); None: none.
+
+        A worker's exit is not timed work: a loop that waits on :meth:`exit_fd` learns of it
+        without asking, so an idle worker with no probes needs no ticks at all.
+        """
+        now = self._clock()
+        if self.phase in _WAITING:
+            return None if self._next_restart_at is None else max(0.0, self._next_restart_at - now)
+        if self.phase not in _ALIVE or self._handle is None:
+            return None
+        if self.phase is Phase.STOPPING:
+            return None if self._stop_deadline is None else max(0.0, self._stop_deadline - now)
+        dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None]
+        return max(0.0, min(dues) - now) if dues else None
+
+    def exit_fd(self) -> int | None:
+        """A file descriptor that polls readable once the live worker has exited (its pidfd).
+
+        None when no worker is alive, or when its handle offers no such descriptor: then only
+        polling through ``tick()`` finds the exit.
+        """
+        if self.phase not in _ALIVE or self._handle is None:
+            return None
+        fd = getattr(self._handle, "exit_fd", None)
+        return fd if isinstance(fd, int) and fd >= 0 else None
+
     def status(self) -> WorkerStatus:
         wait = None
         if self._next_restart_at is not None and self.phase in _WAITING:
