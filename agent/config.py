@@ -107,7 +107,9 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    tick_seconds: float = 0.5  #: how often supervision polls workers and runs due probes
+    #: the longest the supervision loop sleeps (exits wake it at once, probes when due); also the
+    #: poll interval for a worker without a pidfd
+    tick_seconds: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import ctypes
 import errno
 import hashlib
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -48,10 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from pyroute2 import IPRoute
-
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError, os_error_message
 
+SYS_CLASS_NET = Path("/sys/class/net")
 NETNS_RUN_DIR = Path("/run/netns")
 IFNAMSIZ = 15  # usable characters of a Linux interface name
 _MIN_HASH_CHARS = 4
@@ -432,7 +432,7 @@ class Pyroute2Backend:
 
     def list_owned(self) -> OwnedNetwork:
         prefix = self.config.veth_prefix
-        with _step("list network objects"), IPRoute() as ipr:
+        with _step("list network objects"), _netlink() as ipr:
             veths = sorted(
                 name for msg in ipr.link("dump") if (name := msg.get("ifname") or "").startswith(prefix)
             )
@@ -449,14 +449,18 @@ class Pyroute2Backend:
         )
 
     def remove_owned(self, owned: OwnedNetwork) -> None:
-        with IPRoute() as ipr:
+        if owned.host_veths or owned.rule_ifnames:
+            self._remove_links_and_rules(owned)
+        for name in owned.netns:
+            with _step(f"remove netns {name}"):
+                _unmount_netns(self.config.netns_dir / name)
+
+    def _remove_links_and_rules(self, owned: OwnedNetwork) -> None:
+        with _netlink() as ipr:
             for name in owned.host_veths:
                 _delete_link(ipr, name)
             for name in owned.rule_ifnames:
                 _delete_rules(ipr, self.config, name)
-        for name in owned.netns:
-            with _step(f"remove netns {name}"):
-                _unmount_netns(self.config.netns_dir / name)
 
     # -- internals
 
@@ -480,7 +484,7 @@ class Pyroute2Backend:
         with _step("open netlink in the host netns"):
             host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
-            with IPRoute() as host:
+            with _netlink() as host:
                 with _step(f"create netns {plan.netns}"):
                     fd = os.open(plan.netns_path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0)
                     os.close(fd)
@@ -495,7 +499,7 @@ class Pyroute2Backend:
                         _MS_BIND,
                         None,
                     )
-                with IPRoute() as inside:
+                with _netlink() as inside:
                     self._build_inside(inside, plan, host_ns)
                 self._build_host(host, plan)
         finally:
@@ -535,7 +539,7 @@ class Pyroute2Backend:
     def _remove(self, path: Path, host_ifname: str) -> None:
         # The veth goes first and explicitly: a removed netns is destroyed asynchronously, and
         # its veth would linger for a moment and block a quick re-setup of the same slot.
-        with _step(f"open netlink to remove {host_ifname}"), IPRoute() as ipr:
+        with _step(f"open netlink to remove {host_ifname}"), _netlink() as ipr:
             _delete_link(ipr, host_ifname)
             _delete_rules(ipr, self.config, host_ifname)
         with _step(f"remove netns {path}"):
@@ -563,6 +567,14 @@ def _add_tbf(ipr: Any, index: int, params: TbfParams) -> None:
         burst=params.burst_bytes,
         limit=params.limit_bytes,
     )
+
+
+def _netlink() -> Any:
+    """pyroute2's netlink socket, imported on first use: it costs the daemon ~9 MB of memory, and a
+    host whose slots have no network never needs it (listing owned objects reads sysfs instead)."""
+    from pyroute2 import IPRoute as _IPRoute  # noqa: PLC0415
+
+    return _IPRoute()
 
 
 def _delete_link(ipr: Any, name: str) -> None:
@@ -636,7 +648,23 @@ class IpBatchBackend:
         Pyroute2Backend(self.config).teardown(slot_id)
 
     def list_owned(self) -> OwnedNetwork:
-        return Pyroute2Backend(self.config).list_owned()
+        # Without netlink (and without loading pyroute2): links from sysfs, rules from `ip -json`.
+        prefix = self.config.veth_prefix
+        veths = sorted(p.name for p in SYS_CLASS_NET.iterdir() if p.name.startswith(prefix))
+        done = subprocess.run(
+            [self.ip, "-json", "rule", "show", "priority", str(self.config.rule_priority)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise NetworkError(f"ip -json rule show failed listing our rules: {done.stderr.strip()}")
+        rules = sorted(
+            {r["iif"] for r in json.loads(done.stdout or "[]") if str(r.get("iif", "")).startswith(prefix)}
+        )
+        return OwnedNetwork(
+            netns=_owned_netns(self.config), host_veths=tuple(veths), rule_ifnames=tuple(rules)
+        )
 
     def remove_owned(self, owned: OwnedNetwork) -> None:
         Pyroute2Backend(self.config).remove_owned(owned)

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import IPRoute
-
 from nodeagent.cgroups import (
     UNLIMITED,
     CgroupHost,
@@ -521,6 +519,8 @@ def _set_io_weight(manager: CgroupManager, weight: int) -> None:
 
 def _host_veth_subnets(config: SlotNetworkConfig) -> dict[str, ipaddress.IPv4Network]:
     """host veth name -> its slot subnet, for every veth carrying our prefix."""
+    from pyroute2 import IPRoute  # noqa: PLC0415 - only slots with a network need netlink
+
     try:
         with IPRoute() as ipr:
             names = {msg["index"]: msg.get("ifname") or "" for msg in ipr.link("dump")}

@@ -165,7 +165,11 @@ def _wait_gone(child: ProcessIdentity) -> None:
     if pidfd is None:
         return
     try:
-        select.select([pidfd], [], [], _GONE_TIMEOUT)
+        # poll, not select: select refuses descriptors from 1024 up, which a daemon holding two
+        # pidfds per worker passes at about 500 workers.
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll(_GONE_TIMEOUT * 1000)
     finally:
         os.close(pidfd)
 
