@@ -118,13 +118,25 @@ def in_test_parent(pid: int) -> bool:
         return False
 
 
+def pids_in_test_parent() -> set[int]:
+    """Every process in a cgroup under the test's own parent: only this test creates them."""
+    pids: set[int] = set()
+    for parent in parent_dirs():
+        for procs in parent.rglob("cgroup.procs"):
+            with contextlib.suppress(OSError):
+                pids |= {int(p) for p in procs.read_text().split()}
+    return pids
+
+
 def clean_up(daemon: Daemon) -> None:
     daemon.stop()
-    for pid in daemon.worker_pids:
-        if in_test_parent(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    for pid in daemon.worker_pids:
+    # The workers the test saw, and any it never saw (a worker that never became ready) that still
+    # sits in the test's slots.
+    leftovers = {p for p in daemon.worker_pids if in_test_parent(p)} | pids_in_test_parent()
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in leftovers | daemon.worker_pids:
         with contextlib.suppress(AssertionError):
             wait_until(f"worker {pid} to end", lambda p=pid: process_gone(p), timeout=10)
     for parent in parent_dirs():
