@@ -449,9 +449,20 @@ class SlotManager:
         )
 
     def _fail(self, record: SlotRecord, reason: str) -> None:
-        """Roll a slot back: kernel objects removed, resources freed, row kept as ``failed``."""
-        with contextlib.suppress(NodeAgentError):
+        """Roll a slot back: kernel objects removed, resources freed, row kept as ``failed``.
+
+        When its kernel objects cannot be removed, the slot keeps its resources as ``releasing``
+        instead: freeing CPUs that a cgroup still holds would hand them to a second slot. The release
+        is retried by DELETE and on the next start.
+        """
+        try:
             self._kernel.release(record.id, record.applied or {})
+        except NodeAgentError as err:
+            why = f"{reason}; removing its kernel objects failed too ({err}); release it to retry"
+            self._store.update_slot(record.id, state=SlotState.RELEASING, reason=why)
+            self._store.add_event("failed", f"slot {record.name!r}: {why}", record.id)
+            log.warning("slot failed and could not be rolled back", extra={"slot": record.id, "reason": why})
+            return
         if record.state in HOLDING and record.assignment is not None:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(Assignment.from_dict(record.assignment))
@@ -720,6 +731,10 @@ class SlotManager:
         with self._lock:
             self._ready = False
             if not self._kernel.degraded():
+                # Orphans first: a leftover shared-slot cgroup (say of a slot that failed mid-rollback)
+                # would otherwise make the pool impossible to set up before anything else can run.
+                known = {r.id: r.applied for r in self._store.list_slots() if r.state in HOLDING}
+                report.orphans_removed += self._kernel.remove_orphans(known)
                 self._kernel.prepare()
             self._ledger = self._build_ledger(report)
             records = self._store.list_slots()

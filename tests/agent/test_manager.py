@@ -57,6 +57,11 @@ class World:
     processes: dict[str, FakeProcess] = field(default_factory=dict)
     launches: list[str] = field(default_factory=list)
     fail_apply: set[str] = field(default_factory=set)
+    #: slot names whose apply fails after their cgroup exists, and whether release fails
+    fail_apply_late: set[str] = field(default_factory=set)
+    fail_release: bool = False
+    #: the cgroups present when the manager prepared the hierarchy (the pool is made true then)
+    prepared_with: set[str] | None = None
     pool: frozenset[int] = frozenset()
     next_pid: int = 1000
 
@@ -73,7 +78,7 @@ class FakeKernel:
         return ()
 
     def prepare(self) -> None:
-        return None
+        self.world.prepared_with = set(self.world.cgroups)
 
     def apply(self, slot: KernelSlot, applied: Mapping[str, Any] | None) -> Mapping[str, Any]:
         if slot.name in self.world.fail_apply:
@@ -90,12 +95,16 @@ class FakeKernel:
         if body["network"]:
             self.world.netns.add(slot.id)
         self.world.cgroups[slot.id] = body
+        if slot.name in self.world.fail_apply_late:
+            raise CgroupError(f"cannot write memory limit of {slot.id}")
         return body
 
     def exists(self, slot_id: str, applied: Mapping[str, Any]) -> bool:
         return slot_id in self.world.cgroups
 
     def release(self, slot_id: str, applied: Mapping[str, Any] | None) -> None:
+        if self.world.fail_release:
+            raise CgroupError(f"cannot remove the cgroup of {slot_id}: EBUSY")
         self.world.cgroups.pop(slot_id, None)
         self.world.netns.discard(slot_id)
         process = self.world.processes.get(slot_id)
@@ -291,6 +300,25 @@ def test_isolation_failure_rolls_back_and_frees_resources(make: Any, world: Worl
     assert manager.allocate(guaranteed(cpus=8)).slot.state is SlotState.READY
 
 
+def test_a_rollback_that_cannot_remove_the_cgroup_keeps_its_cpus(make: Any, world: World) -> None:
+    manager = make()
+    world.fail_apply_late.add("web")
+    world.fail_release = True
+    with pytest.raises(CgroupError):
+        manager.allocate(guaranteed(cpus=8))
+    stuck = manager.get_slot("web")
+    assert stuck.state is SlotState.RELEASING
+    assert "removing its kernel objects failed too" in (stuck.reason or "")
+    assert stuck.id in world.cgroups
+    # Its CPUs are still in a cgroup, so they are not free: a slot wanting every CPU is refused.
+    with pytest.raises(PlacementError):
+        manager.allocate(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2))
+    world.fail_release = False
+    manager.release("web")  # DELETE retries the release
+    assert world.cgroups == {}
+    assert manager.allocate(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2)).created
+
+
 def test_no_cpu_is_handed_out_twice(make: Any) -> None:
     manager = make()
 
@@ -462,6 +490,8 @@ def test_reconcile_removes_orphans(tmp_path: Path, make: Any, world: World) -> N
     manager = make()
     assert sorted(manager.report.orphans_removed) == ["cgroup sorphan", "netns sgone"]
     assert set(world.cgroups) == {"sa"}
+    # Gone before the pool was set up: a leftover shared slot could make that impossible.
+    assert world.prepared_with == {"sa"}
     assert world.netns == set()
     assert [e["kind"] for e in manager.events()][-1] == "reconcile"
 

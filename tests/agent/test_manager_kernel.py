@@ -116,6 +116,27 @@ def test_orphan_cgroup_is_removed_on_start(config: object) -> None:
         second.close()
 
 
+def test_start_survives_a_leftover_shared_slot_on_an_empty_pool(config: object) -> None:
+    # Every CPU in guaranteed slots, plus a burstable cgroup no row knows (a slot whose rollback
+    # was cut short by a crash): the pool cannot be made true until that leftover is gone, so
+    # start-up must remove orphans before it sets the pool up, or the daemon never starts.
+    first = make(config)
+    online = sorted(discover(gpus=False, fpgas=False).online_cpus)
+    for n in range(len(online)):
+        first.allocate({**REQUEST, "name": f"g{n}", "worker": None})
+    first.close()
+    leftover = "sleftover0001"
+    for controller in ("cpuset", "cpu", "memory", "pids"):
+        (CGROUP_ROOT / controller / PARENT / "burstable" / leftover).mkdir()
+    second = make(config)
+    try:
+        assert second.report is not None
+        assert f"cgroup {PARENT}/burstable/{leftover}" in second.report.orphans_removed
+        assert [s.state for s in second.list_slots()] == [SlotState.READY] * len(online)
+    finally:
+        second.close()
+
+
 def test_allocate_release_latency(config: object) -> None:
     """Figures, not assertions: median allocate+release through the manager (no worker)."""
     manager = make(config)
