@@ -32,8 +32,6 @@ import io
 import os
 import pstats
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,10 +46,13 @@ from typing import Any
 import httpx
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
+
 from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
 from nodeagent.agent.daemon import build_kernel, build_manager, ensure_state_dir
 from nodeagent.agent.manager import IsolatorKernel, SlotManager
 from nodeagent.devices.discovery import discover
+from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}b.slice"
 NETNS_PREFIX = f"nb{os.getpid()}-"
@@ -79,69 +80,6 @@ def agent_config(state_dir: Path) -> AgentConfig:
         "log": {"level": "warning"},
     }
     return apply_overrides(parse_config(data), state_dir=state_dir)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def nodeagent_argv() -> list[str]:
-    script = Path(sys.executable).parent / "nodeagent"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from nodeagent.agent.cli import main; main()"]
-
-
-class Daemon:
-    """``nodeagent serve`` as a subprocess on a free loopback port with the bench's cgroup parent."""
-
-    def __init__(self, work: Path) -> None:
-        self.state = work / "state"
-        self.config = work / "config.toml"
-        self.config.write_text(config_text())
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = work / "daemon.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.process is not None
-        return self.process.pid
-
-    @property
-    def token_file(self) -> Path:
-        return self.state / "token"
-
-    def start(self) -> httpx.Client:
-        argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
-        argv += ["--listen", self.url.removeprefix("http://"), "--state-dir", str(self.state)]
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the daemon exited during start-up:\n{self.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    token = self.token_file.read_text().strip()
-                    headers = {"Authorization": f"Bearer {token}"}
-                    return httpx.Client(base_url=self.url, headers=headers, timeout=120)
-            time.sleep(0.05)
-        raise SystemExit("the daemon did not become ready within 60 s")
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-        self.process = None
 
 
 def remove_bench_objects(state_dir: Path) -> None:
@@ -204,7 +142,7 @@ def rest_pairs(client: httpx.Client, runs: int) -> PairTimes:
     return time_pairs(runs, allocate, release)
 
 
-def cli_pairs(daemon: Daemon, runs: int) -> PairTimes:
+def cli_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
     base = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
 
     def run(*args: str) -> str:
@@ -490,7 +428,7 @@ def main() -> None:
             manager.close()
         remove_bench_objects(state)
 
-        daemon = Daemon(work)
+        daemon = DaemonProcess(work, config_text())
         client = daemon.start()
         prints: list[Footprint] = []
         try:
