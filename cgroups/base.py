@@ -49,8 +49,14 @@ class CgroupManager(ABC):
         return all(fs.exists(mount, self.relpath) for mount in self._mounts())
 
     @abstractmethod
-    def create(self) -> None:
-        """Create the group and its missing ancestors; already existing is fine."""
+    def create(self, cpus: frozenset[int] | None = None) -> None:
+        """Create the group and its missing ancestors; already existing is fine.
+
+        ``cpus``: the group's own cpuset CPUs, written as it is made. Without them a v1 group copies
+        its parent's CPUs so that it can take tasks at once; an exclusive slot passes its CPUs, so
+        that it never appears, even for an instant a crash could freeze, to hold CPUs it was not
+        given (the agent reads exclusive CPUs back from the slots' cpusets when it restarts).
+        """
 
     @abstractmethod
     def set(self, resources: Resources) -> None:
@@ -59,7 +65,16 @@ class CgroupManager(ABC):
     def add_pid(self, pid: int) -> None:
         """Move process ``pid`` (all its threads) into the group."""
         for mount in self._mounts():
-            fs.write_file(mount, fs.join(self.relpath, "cgroup.procs"), pid)
+            try:
+                fs.write_file(mount, fs.join(self.relpath, "cgroup.procs"), pid)
+            except CgroupError as err:
+                if err.errno == errno.ENOSPC:  # the kernel's answer for a cpuset without CPUs or mems
+                    raise CgroupError(
+                        f"cannot move pid {pid} into {self.relpath}: its cpuset has no CPUs or memory "
+                        "nodes yet; set cpuset_cpus and cpuset_mems first",
+                        errno_=err.errno,
+                    ) from err
+                raise
 
     def procs(self) -> list[int]:
         """Processes directly in the group (not in child groups)."""

@@ -49,15 +49,19 @@ class V1Manager(CgroupManager):
     def _has_file(self, controller: str, name: str) -> bool:
         return self.has(controller) and fs.exists(*self._file(controller, name))
 
-    def create(self) -> None:
+    def create(self, cpus: frozenset[int] | None = None) -> None:
         parts = PurePosixPath(self.relpath).parts
         cpuset_mount = self._mounts_by_controller.get("cpuset")
         for mount in self._mounts():
             for depth in range(1, len(parts) + 1):
                 rel = "/".join(parts[:depth])
                 fs.make_dir(mount, rel)
-                if mount == cpuset_mount:
-                    _inherit_cpuset(mount, rel)
+                if mount != cpuset_mount:
+                    continue
+                own = cpus is not None and depth == len(parts)
+                _inherit_cpuset(mount, rel, cpus=not own)
+                if own and cpus is not None:
+                    fs.write_file(mount, fs.join(rel, "cpuset.cpus"), format_cpulist(cpus))
 
     def set(self, resources: Resources) -> None:
         r = resources
@@ -209,10 +213,13 @@ def _as_limit(text: str) -> int:
     return UNLIMITED if value >= V1_UNLIMITED_READ else value
 
 
-def _inherit_cpuset(mount: Path, rel: str) -> None:
-    """A new v1 cpuset starts empty and refuses tasks until cpus and mems are set: copy the parent's."""
+def _inherit_cpuset(mount: Path, rel: str, *, cpus: bool) -> None:
+    """A new v1 cpuset starts empty and refuses tasks until cpus and mems are set: copy the parent's.
+
+    With ``cpus=False`` only the mems are copied: the caller writes the group's own CPUs instead.
+    """
     parent = str(PurePosixPath(rel).parent)
     parent = "" if parent == "." else parent
-    for name in ("cpuset.cpus", "cpuset.mems"):
+    for name in ("cpuset.cpus", "cpuset.mems") if cpus else ("cpuset.mems",):
         if not fs.read_file(mount, fs.join(rel, name)).strip():
             fs.write_file(mount, fs.join(rel, name), fs.read_file(mount, fs.join(parent, name)).strip())

@@ -56,7 +56,7 @@ class V2Manager(CgroupManager):
                 "in the parent's cgroup.subtree_control"
             )
 
-    def create(self) -> None:
+    def create(self, cpus: frozenset[int] | None = None) -> None:
         parts = PurePosixPath(self.relpath).parts
         for depth in range(len(parts)):
             ancestor = "/".join(parts[:depth])
@@ -65,6 +65,8 @@ class V2Manager(CgroupManager):
             if _is_within(ancestor, self._configure_from):
                 self._enable_controllers(ancestor)
         fs.make_dir(self._mount, self.relpath)
+        if cpus is not None:
+            self._write("cpuset.cpus", format_cpulist(cpus))
 
     def _enable_controllers(self, rel: str) -> None:
         """Enable what the children need in ``rel``'s subtree_control (only the missing ones)."""

@@ -330,7 +330,7 @@ class SlotIsolator:
         undo: list[Undo] = []
         try:
             cpus = self._prepare_cpus(spec, relpath, existed)
-            manager.create()
+            manager.create(cpus if spec.exclusive else None)
             if not existed:
                 undo.append(lambda: remove_subtree(self.host, relpath, self.config.kill_timeout_s))
             manager.set(slot_resources(spec, params, cpus, swap_limit=_swap_limit_supported(manager)))

@@ -74,6 +74,16 @@ def test_v1_create_fills_empty_cpusets_from_the_parent(tmp_path: Path) -> None:
     assert read(tmp_path, "cpuset/nodeagent.slice/burstable/cpuset.mems") == "0"
 
 
+def test_v1_create_with_cpus_never_shows_the_parents(tmp_path: Path) -> None:
+    # An exclusive slot is made with its own CPUs: copying the parent's first would leave, for a
+    # moment a crash could freeze, a slot that seems to hold every CPU of the pool.
+    manager = open_manager(v1_tree(tmp_path), SLOT)
+    manager.create(frozenset({2}))
+    assert read(tmp_path, f"cpuset/{SLOT}/cpuset.cpus") == "2"
+    assert read(tmp_path, f"cpuset/{SLOT}/cpuset.mems") == "0"
+    assert read(tmp_path, "cpuset/nodeagent.slice/burstable/cpuset.cpus") == "0-3"
+
+
 @pytest.mark.parametrize(
     ("resources", "expected"),
     [

@@ -139,7 +139,10 @@ def test_unused_children_and_keepers_go_away_with_the_spawner():
 def test_a_keeper_lost_before_the_launch_fails_it_cleanly(tmp_path, slot, spawner, kill_keepers):
     first = spawner.idle_children()[0]
     keeper_pid = _parent(first.pid)
+    keeper = _identity(keeper_pid)
     os.kill(keeper_pid, signal.SIGKILL)  # a keeper this test's spawner started
+    # kill() returns before the keeper has died: until then its pipe still takes the request.
+    assert _wait_gone(keeper)
     with pytest.raises(WorkerError, match="hand the request to the keeper"):
         spawner.launch(make_request(tmp_path, slot, ["sleep", "60"]))
     assert _wait_gone(first)
