@@ -21,22 +21,9 @@ from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
 from nodeagent.isolation.spec import IsolationConfig, NetworkRequest, SlotIsolationSpec
+from tests.isolation.specs import F, MiB, burstable, guaranteed, status_field
 
 from ..cgroups.conftest import Child, wait_for
-
-MiB = 1 << 20
-F = frozenset
-
-
-def guaranteed(slot_id: str = "g", cpus: frozenset[int] = F({1}), **kwargs: object) -> SlotIsolationSpec:
-    return SlotIsolationSpec(
-        slot_id, "guaranteed", cpus=cpus, exclusive=True, mems=F({0}), memory_bytes=128 * MiB, **kwargs
-    )  # type: ignore[arg-type]
-
-
-def burstable(slot_id: str = "b", **kwargs: object) -> SlotIsolationSpec:
-    return SlotIsolationSpec(slot_id, "burstable", cpu_quota=0.5, memory_bytes=128 * MiB, **kwargs)  # type: ignore[arg-type]
-
 
 # --------------------------------------------------------------------------- pure
 
@@ -251,13 +238,6 @@ def start_in() -> Iterator[Callable[[AppliedSlot, str], Child]]:
     yield start
     for child in children:
         child.stop()
-
-
-def status_field(pid: int, name: str) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    raise AssertionError(f"{name} not in /proc/{pid}/status")
 
 
 def cpuset_of(host: CgroupHost, relpath: str) -> str:

@@ -15,25 +15,9 @@ from nodeagent.cgroups.detect import V2_CONTROLLERS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import SlotIsolationSpec
+from tests.isolation.specs import F, MiB, best_effort, burstable, guaranteed, status_field
 
 from ...cgroups.conftest import wait_for
-
-MiB = 1 << 20
-F = frozenset
-
-
-def guaranteed(slot_id: str = "g", cpus: frozenset[int] = F({1}), **kwargs: object) -> SlotIsolationSpec:
-    return SlotIsolationSpec(
-        slot_id, "guaranteed", cpus=cpus, exclusive=True, mems=F({0}), memory_bytes=128 * MiB, **kwargs
-    )  # type: ignore[arg-type]
-
-
-def burstable(slot_id: str = "b", **kwargs: object) -> SlotIsolationSpec:
-    return SlotIsolationSpec(slot_id, "burstable", cpu_quota=0.5, memory_bytes=128 * MiB, **kwargs)  # type: ignore[arg-type]
-
-
-def best_effort(slot_id: str = "e") -> SlotIsolationSpec:
-    return SlotIsolationSpec(slot_id, "best-effort", memory_bytes=64 * MiB)
 
 
 def cgroup_dir(host: CgroupHost, relpath: str) -> Path:
@@ -43,13 +27,6 @@ def cgroup_dir(host: CgroupHost, relpath: str) -> Path:
 
 def read(host: CgroupHost, relpath: str, name: str) -> str:
     return (cgroup_dir(host, relpath) / name).read_text().strip()
-
-
-def status_field(pid: int, name: str) -> str:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    raise AssertionError(f"{name} not in /proc/{pid}/status")
 
 
 def program_alive(prog_id: int) -> bool:
