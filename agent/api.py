@@ -61,13 +61,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nodeagent import __version__
 from nodeagent.agent.metrics import Metrics
-from nodeagent.agent.request import (
-    MAX_BANDWIDTH_MBIT,
-    MAX_CPUS,
-    MAX_DEVICES,
-    MAX_MEMORY_BYTES,
-    NAME_PATTERN,
-)
 from nodeagent.agent.service import SlotService, SlotView
 from nodeagent.devices.topology import topology_to_dict
 from nodeagent.errors import (
@@ -78,6 +71,13 @@ from nodeagent.errors import (
     NotFound,
     PlacementError,
     Unsupported,
+)
+from nodeagent.schema.request import (
+    MAX_BANDWIDTH_MBIT,
+    MAX_CPUS,
+    MAX_DEVICES,
+    MAX_MEMORY_BYTES,
+    NAME_PATTERN,
 )
 
 log = logging.getLogger(__name__)

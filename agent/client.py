@@ -19,7 +19,6 @@ from urllib.parse import quote
 import httpx
 
 from nodeagent.agent.config import default_state_dir
-from nodeagent.agent.request import NAME_PATTERN
 from nodeagent.errors import (
     CgroupError,
     ConfigError,
@@ -35,6 +34,7 @@ from nodeagent.errors import (
     Unsupported,
     WorkerError,
 )
+from nodeagent.schema.request import NAME_PATTERN
 
 DEFAULT_API = "http://127.0.0.1:7070"
 API_ENV = "NODEAGENT_API"

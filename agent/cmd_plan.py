@@ -13,9 +13,9 @@ from typing import Any
 import click
 
 from nodeagent.agent.placement import Allocated, PlacementOptions, plan
-from nodeagent.agent.request import parse_slot_request
 from nodeagent.devices.topology import Topology, topology_from_dict
 from nodeagent.errors import InvalidRequest, NotFound
+from nodeagent.schema.request import parse_slot_request
 
 
 def _read_json(path: Path, what: str) -> Any:

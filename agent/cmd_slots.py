@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import click
 
 from nodeagent.agent.client import API_ENV, TOKEN_FILE_ENV, AgentClient
-from nodeagent.agent.request import format_quantity
 from nodeagent.errors import InvalidRequest, WorkerError
+from nodeagent.schema.request import format_quantity
 
 F = TypeVar("F", bound=Callable[..., Any])
 

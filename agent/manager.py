@@ -64,7 +64,6 @@ from nodeagent.agent.placement import (
     placement_index,
     plan,
 )
-from nodeagent.agent.request import SlotRequest, parse_slot_request, request_to_dict
 from nodeagent.agent.service import AllocateResult, NodeInfo, SlotState, SlotView
 from nodeagent.agent.state import SlotRecord, StateStore, WorkerRecord
 from nodeagent.cgroups import CgroupManager, open_manager
@@ -81,6 +80,7 @@ from nodeagent.runtime.process import ExitRecord, pidfd_exited
 from nodeagent.runtime.spawner import Spawner
 from nodeagent.runtime.spec import WorkerSpec, parse_worker_spec
 from nodeagent.runtime.supervisor import Phase, SlotCgroup, SpawnerLauncher, Supervisor, WorkerStatus
+from nodeagent.schema.request import SlotRequest, parse_slot_request, request_to_dict
 
 log = logging.getLogger("nodeagent.manager")
 

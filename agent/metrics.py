@@ -32,10 +32,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from nodeagent.agent.request import QOS_CLASSES
 from nodeagent.agent.service import SlotService, SlotState, SlotView
 from nodeagent.cgroups.resources import CgroupStats
 from nodeagent.errors import NodeAgentError
+from nodeagent.schema.request import QOS_CLASSES
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from nodeagent.agent.request import MILLI, Resources, SlotRequest, format_quantity, parse_slot_request
 from nodeagent.cpulist import format_cpulist, parse_cpulist
 from nodeagent.devices.topology import Gpu, MigInstance, Topology
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, PlacementError
+from nodeagent.schema.request import MILLI, Resources, SlotRequest, format_quantity, parse_slot_request
 
 #: Stands for "unlimited" where the topology does not say how much memory a node has.
 UNKNOWN_MEMORY = 1 << 62

@@ -36,7 +36,7 @@ class SlotView:
     name: str
     qos: str
     state: SlotState
-    request: Mapping[str, Any]  #: the SlotRequest as JSON (agent.request.request_to_dict)
+    request: Mapping[str, Any]  #: the SlotRequest as JSON (schema.request.request_to_dict)
     assignment: Mapping[str, Any] | None  #: agent.placement.Assignment.to_dict()
     cgroup: str | None  #: cgroup path relative to the cgroup root(s)
     network: Mapping[str, Any] | None  #: netns name, addresses, limits

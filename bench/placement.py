@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodeagent.agent.placement import Allocated, Assignment, count_fits, placement_index, plan
-from nodeagent.agent.request import SlotRequest, parse_slot_request
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import PlacementError
+from nodeagent.schema.request import SlotRequest, parse_slot_request
 
 HOSTS = {
     "16 CPUs, 1 node": lambda: synthetic_topology(1, 1, 8, 2),

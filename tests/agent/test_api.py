@@ -13,9 +13,9 @@ from fastapi import FastAPI
 
 from nodeagent.agent.api import create_app, describe_validation_errors
 from nodeagent.agent.metrics import Metrics
-from nodeagent.agent.request import NUMA_POLICIES, QOS_CLASSES
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from nodeagent.errors import KernelError
+from nodeagent.schema.request import NUMA_POLICIES, QOS_CLASSES
 from tests.agent.fake_service import FakeSlotService
 
 TOKEN = "natest-token-0123456789"

@@ -443,7 +443,7 @@ def crash_with(tmp_path: Path, *records: SlotRecord) -> None:
 
 def planned(name: str, state: str, slot_id: str) -> SlotRecord:
     from nodeagent.agent.placement import plan
-    from nodeagent.agent.request import parse_slot_request, request_to_dict
+    from nodeagent.schema.request import parse_slot_request, request_to_dict
 
     req = parse_slot_request(guaranteed(name))
     assignment = plan(TOPOLOGY, Allocated(), req)

@@ -19,10 +19,10 @@ from nodeagent.agent.placement import (
     count_fits,
     plan,
 )
-from nodeagent.agent.request import parse_slot_request
 from nodeagent.devices.synthetic import GIB, synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, PlacementError
+from nodeagent.schema.request import parse_slot_request
 
 TOPOLOGIES: dict[str, Topology] = {
     # 4 cores: CPUs 0-3 and siblings 4-7.

@@ -19,7 +19,7 @@ from tests.devices import sysfs_trees as trees
 from tests.trees import write_tree
 
 GIB = 1024**3
-SCHEMA = json.loads(resources.files("nodeagent").joinpath("schemas/topology-v1.json").read_text())
+SCHEMA = json.loads(resources.files("nodeagent.schema").joinpath("topology-v1.json").read_text())
 
 
 def run_topology(tmp_path: Path, tree_name: str, *args: str) -> Result:

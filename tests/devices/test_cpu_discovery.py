@@ -440,7 +440,7 @@ def test_sysfs_reader_returns_none_for_absent_files(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- JSON
 
 
-SCHEMA = json.loads(resources.files("nodeagent").joinpath("schemas/topology-v1.json").read_text())
+SCHEMA = json.loads(resources.files("nodeagent.schema").joinpath("topology-v1.json").read_text())
 
 
 def full_topology(tmp_path: Path, name: str) -> Topology:

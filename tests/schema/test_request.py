@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agent.request import (
+from nodeagent.errors import InvalidRequest
+from nodeagent.schema.request import (
     NetworkRequest,
     format_quantity,
     format_quantity_short,
@@ -14,7 +15,6 @@ from nodeagent.agent.request import (
     parse_slot_request,
     request_to_dict,
 )
-from nodeagent.errors import InvalidRequest
 
 
 def req(qos: str = "guaranteed", **resources: Any) -> dict[str, Any]:

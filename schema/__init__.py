@@ -1,0 +1,1 @@
+"""The slot request and worker spec: the one schema every layer and the API share."""
