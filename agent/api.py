@@ -61,7 +61,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nodeagent import __version__
 from nodeagent.agent.metrics import Metrics
-from nodeagent.agent.service import SlotService, SlotView
+from nodeagent.agent.service import SlotService
+from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import topology_to_dict
 from nodeagent.errors import (
     ConfigError,
@@ -326,8 +327,8 @@ def create_app(
     return app
 
 
-def _slot_json(slot: SlotView, status: int = 200, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(slot.to_dict(), status_code=status, headers=headers)
+def _slot_json(slot: Slot, status: int = 200, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(slot.to_json(), status_code=status, headers=headers)
 
 
 def _require_ready(service: SlotService) -> None:
@@ -392,7 +393,7 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
 def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
     @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=_errors(401))
     def list_slots() -> JSONResponse:
-        return JSONResponse({"slots": [s.to_dict() for s in service.list_slots()]})
+        return JSONResponse({"slots": [s.to_json() for s in service.list_slots()]})
 
     @app.post(
         "/v1/slots",

@@ -26,17 +26,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
-from nodeagent.agent.manager import IsolatorKernel, SlotKernel, SlotManager, SpawnerRuntime, UnisolatedKernel
+from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.placement import placement_index
-from nodeagent.agent.service import SlotView
+from nodeagent.agent.slot import Slot
 from nodeagent.agent.state import StateStore
-from nodeagent.cgroups import CgroupStats, detect, open_manager
+from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError, translate_os_error
+from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
 from nodeagent.isolation.network import SlotNetworkConfig
+from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.runtime.workers import SpawnerRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
@@ -115,16 +118,15 @@ def ensure_token(path: Path) -> str:
 # =========================================================================== assembly
 
 
-def build_kernel(config: AgentConfig, topology: Topology) -> SlotKernel:
+def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -> IsolationBackend:
     """The isolator when this host lets us create cgroups; else the unisolated stand-in, with why."""
-    host = detect()
     if not host.can_write or os.geteuid() != 0:
         reason = (
             f"not running as root (cgroups {host.mode}): no cgroup, cpuset, device or network isolation"
             if os.geteuid() != 0
             else f"cgroups ({host.mode}) are not writable: no CPU, memory or device isolation"
         )
-        return UnisolatedKernel([reason], host.mode)
+        return NoIsolation([reason], host.mode)
     options = config.placement_options()
     reserved = options.reserved_cpus
     if reserved is None:
@@ -136,8 +138,9 @@ def build_kernel(config: AgentConfig, topology: Topology) -> SlotKernel:
         network=SlotNetworkConfig(
             cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix
         ),
+        qos=QosDefaults(pids_max=iso.pids_max),
     )
-    return IsolatorKernel(SlotIsolator(host, isolation), topology, pids_max=iso.pids_max)
+    return KernelIsolation(SlotIsolator(host, isolation))
 
 
 class SlotStats:
@@ -152,7 +155,7 @@ class SlotStats:
         self._host = detect()
         self._cgroups: dict[str, str | None] = {}
 
-    def prepare(self, slots: Sequence[SlotView]) -> None:
+    def prepare(self, slots: Sequence[Slot]) -> None:
         self._cgroups = {slot.id: slot.cgroup for slot in slots}
 
     def __call__(self, slot_id: str) -> CgroupStats | None:
@@ -170,11 +173,15 @@ def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
 def build_manager(config: AgentConfig, topology: Topology | None = None) -> SlotManager:
     """Everything the manager needs, from the configuration (the state directory must exist)."""
     topo = topology or discover()
+    host = detect()
+    isolation = build_isolation(config, topo, host)
     return SlotManager(
         StateStore(config.database_path),
         topo,
-        build_kernel(config, topo),
-        SpawnerRuntime(config.state_dir / "workers"),
+        isolation,
+        SpawnerRuntime(
+            config.state_dir / "workers", host if isinstance(isolation, KernelIsolation) else None
+        ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,
         allow_unisolated=config.isolation.allow_unisolated,
@@ -335,7 +342,7 @@ def serve(config: AgentConfig) -> None:
 __all__ = [
     "JsonFormatter",
     "SlotStats",
-    "build_kernel",
+    "build_isolation",
     "build_manager",
     "ensure_state_dir",
     "ensure_token",

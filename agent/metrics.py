@@ -32,7 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from nodeagent.agent.service import SlotService, SlotState, SlotView
+from nodeagent.agent.service import SlotService
+from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.cgroups.resources import CgroupStats
 from nodeagent.errors import NodeAgentError
 from nodeagent.schema.request import QOS_CLASSES
@@ -163,7 +164,7 @@ def _node_metrics(service: SlotService) -> list[Metric]:
     return [info, ready, degraded]
 
 
-def _slot_metrics(slots: list[SlotView]) -> list[Metric]:
+def _slot_metrics(slots: list[Slot]) -> list[Metric]:
     counts = {(str(state), qos): 0 for state in SlotState for qos in QOS_CLASSES}
     restarts = CounterMetricFamily(
         f"{PREFIX}_worker_restarts", "Times the agent restarted a slot's worker.", labels=("slot", "name")
@@ -171,18 +172,12 @@ def _slot_metrics(slots: list[SlotView]) -> list[Metric]:
     for slot in slots:
         key = (str(slot.state), slot.qos)
         counts[key] = counts.get(key, 0) + 1
-        count = _worker_restarts(slot.worker)
-        if count is not None:
-            restarts.add_metric((slot.id, slot.name), count)
+        if slot.worker is not None:
+            restarts.add_metric((slot.id, slot.name), slot.worker.restarts)
     by_state = GaugeMetricFamily(f"{PREFIX}_slots", "Slots by state and QoS class.", labels=("state", "qos"))
     for (state, qos), n in sorted(counts.items()):
         by_state.add_metric((state, qos), n)
     return [by_state, restarts]
-
-
-def _worker_restarts(worker: Mapping[str, Any] | None) -> int | None:
-    value = None if worker is None else worker.get("restarts")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:
@@ -218,7 +213,7 @@ def _kinds(figures: Any) -> list[tuple[str, float]]:
     ]
 
 
-def _usage_metrics(slots: list[SlotView], provider: StatsProvider, errors: Counter) -> list[Metric]:
+def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) -> list[Metric]:
     labels = ("slot", "name")
     families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "cpu": CounterMetricFamily(

@@ -26,7 +26,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,9 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from nodeagent import __version__
-from nodeagent.agent.service import SlotService, SlotView
+from nodeagent.agent.service import SlotService
+from nodeagent.agent.slot import Slot
+from nodeagent.cpulist import format_cpulist
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError
 
@@ -176,22 +178,21 @@ def device_health(topo: Topology) -> list[dict[str, Any]]:
     return gpus + fpgas
 
 
-def slot_summary(slot: SlotView) -> dict[str, Any]:
-    a: Mapping[str, Any] = slot.assignment or {}
-    worker: Mapping[str, Any] = slot.worker or {}
+def slot_summary(slot: Slot) -> dict[str, Any]:
+    a = slot.assignment
     return {
         "id": slot.id,
         "name": slot.name,
         "qos": slot.qos,
         "state": str(slot.state),
-        "cpus": a.get("cpuset"),
-        "exclusive": a.get("exclusive"),
-        "numa_nodes": list(a.get("numa_nodes", [])),
-        "memory_bytes": a.get("memory_bytes"),
-        "gpus": list(a.get("gpu_uuids") or a.get("gpus") or []),
-        "mig": [m.get("uuid") or m.get("profile") for m in a.get("mig", [])],
-        "fpgas": list(a.get("fpgas", [])),
-        "worker_phase": worker.get("phase"),
+        "cpus": None if a is None else format_cpulist(a.cpus),
+        "exclusive": None if a is None else a.exclusive,
+        "numa_nodes": [] if a is None else list(a.numa_nodes),
+        "memory_bytes": None if a is None else a.memory_bytes,
+        "gpus": [] if a is None else list(a.gpu_uuids or a.gpus),
+        "mig": [] if a is None else [m.uuid or m.profile for m in a.mig],
+        "fpgas": [] if a is None else list(a.fpgas),
+        "worker_phase": None if slot.worker is None else str(slot.worker.phase),
         "reason": slot.reason,
     }
 

@@ -12,59 +12,17 @@ KernelError/WorkerError (500/503). The API maps ``err.code`` and the class onto 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import Topology
-
-
-class SlotState(enum.StrEnum):
-    PENDING = "pending"  #: written with its assignment, kernel objects being created
-    READY = "ready"  #: isolated, no worker running
-    RUNNING = "running"  #: its worker is running and ready
-    RELEASING = "releasing"  #: being torn down
-    FAILED = "failed"  #: see ``reason``
-
-
-@dataclass(frozen=True)
-class SlotView:
-    """A slot as the API shows it. ``to_dict`` is the JSON body of GET /v1/slots/{id}."""
-
-    id: str
-    name: str
-    qos: str
-    state: SlotState
-    request: Mapping[str, Any]  #: the SlotRequest as JSON (schema.request.request_to_dict)
-    assignment: Mapping[str, Any] | None  #: agent.placement.Assignment.to_dict()
-    cgroup: str | None  #: cgroup path relative to the cgroup root(s)
-    network: Mapping[str, Any] | None  #: netns name, addresses, limits
-    worker: Mapping[str, Any] | None  #: worker status: phase, pid, restarts, last exit, message
-    reason: str | None  #: why it failed, when state is failed
-    created_at: float
-    updated_at: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "qos": self.qos,
-            "state": str(self.state),
-            "request": dict(self.request),
-            "assignment": None if self.assignment is None else dict(self.assignment),
-            "cgroup": self.cgroup,
-            "network": None if self.network is None else dict(self.network),
-            "worker": None if self.worker is None else dict(self.worker),
-            "reason": self.reason,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-        }
 
 
 @dataclass(frozen=True)
 class AllocateResult:
-    slot: SlotView
+    slot: Slot
     created: bool  #: False when the same request under the same name already existed (idempotent)
 
 
@@ -97,9 +55,9 @@ class SlotService(Protocol):
         """agent.placement.capacity(...).to_dict() plus device health and slot counts."""
         ...
 
-    def list_slots(self) -> list[SlotView]: ...
+    def list_slots(self) -> list[Slot]: ...
 
-    def get_slot(self, slot_id: str) -> SlotView:
+    def get_slot(self, slot_id: str) -> Slot:
         """By id or by name; NotFound otherwise."""
         ...
 
@@ -108,7 +66,7 @@ class SlotService(Protocol):
         the name exists with a different request, PlacementError when it does not fit."""
         ...
 
-    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> SlotView:
+    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> Slot:
         """Change a slot's resources in place (a partial ``resources`` object)."""
         ...
 
@@ -116,11 +74,11 @@ class SlotService(Protocol):
         """Stop its worker, remove its kernel objects, free its resources. NotFound if unknown."""
         ...
 
-    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> SlotView:
+    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> Slot:
         """Start the slot's worker (``spec`` as JSON, or None for the one in its request)."""
         ...
 
-    def stop_worker(self, slot_id: str) -> SlotView: ...
+    def stop_worker(self, slot_id: str) -> Slot: ...
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
         """The last ``lines`` lines of the worker's output (stdout and stderr interleaved)."""

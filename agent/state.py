@@ -20,16 +20,22 @@ Schema changes are numbered migrations recorded in ``PRAGMA user_version``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agent.placement import Assignment
+from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
 from nodeagent.errors import NodeAgentError
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.runtime.supervisor import WorkerStatus
+from nodeagent.schema.request import parse_slot_request, request_to_dict
 
 
 class StateError(NodeAgentError):
@@ -81,8 +87,6 @@ MIGRATIONS: tuple[str, ...] = (
 #: Keep the event log bounded: older events are dropped beyond this many.
 MAX_EVENTS = 10_000
 
-_JSON_SLOT_COLUMNS = ("request", "assignment", "network", "applied")
-_JSON_WORKER_COLUMNS = ("spec", "status", "last_exit")
 _SLOT_COLUMNS = (
     "id",
     "name",
@@ -124,39 +128,20 @@ _WORKER_UPSERT = (
     f"INSERT OR REPLACE INTO workers ({', '.join(_WORKER_COLUMNS)}) VALUES ({_qmarks(_WORKER_COLUMNS)})"  # noqa: S608
 )
 _EVENT_SELECT = "SELECT id, time, slot_id, kind, message FROM events"
-_UPDATABLE_SLOT = frozenset({"request", "assignment", "state", "reason", "cgroup", "network", "applied"})
-_UPDATABLE_WORKER = frozenset(_WORKER_COLUMNS[1:9])
+#: What update_slot rewrites (id, name, qos and created_at never change).
+_UPDATED_SLOT_COLUMNS = (
+    "request",
+    "assignment",
+    "state",
+    "reason",
+    "cgroup",
+    "network",
+    "applied",
+    "updated_at",
+)
 
 
-@dataclass(frozen=True)
-class SlotRecord:
-    id: str
-    name: str
-    qos: str
-    request: Mapping[str, Any]
-    assignment: Mapping[str, Any] | None
-    state: str
-    reason: str | None = None
-    cgroup: str | None = None
-    network: Mapping[str, Any] | None = None
-    #: What isolation built (its AppliedSlot as JSON): what release must take down.
-    applied: Mapping[str, Any] | None = None
-    created_at: float = 0.0
-    updated_at: float = 0.0
 
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    slot_id: str
-    spec: Mapping[str, Any]
-    desired: str = "running"  #: "running" or "stopped": what the operator asked for
-    keeper_pid: int | None = None
-    worker_pid: int | None = None
-    start_time: int | None = None
-    status: Mapping[str, Any] | None = None
-    restarts: int = 0
-    last_exit: Mapping[str, Any] | None = None
-    updated_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -269,63 +254,57 @@ class StateStore:
 
     # --- slots --------------------------------------------------------------------------------
 
-    def insert_slot(self, slot: SlotRecord) -> SlotRecord:
+    def insert_slot(self, slot: Slot) -> Slot:
         now = self._clock()
-        stored = SlotRecord(**{**slot.__dict__, "created_at": now, "updated_at": now})
-        row = _slot_row(stored)
-        self._write(_SLOT_INSERT, row)
+        stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None)
+        self._write(_SLOT_INSERT, _slot_row(stored))
         return stored
 
-    def update_slot(self, slot_id: str, **changes: Any) -> SlotRecord:
-        unknown = set(changes) - _UPDATABLE_SLOT
-        if unknown:
-            raise ValueError(f"not updatable slot columns: {sorted(unknown)}")
-        values = {k: _dump(v) if k in _JSON_SLOT_COLUMNS else v for k, v in changes.items()}
-        values["updated_at"] = self._clock()
+    def update_slot(self, slot: Slot) -> Slot:
+        """Write ``slot``'s request, assignment, state, reason and applied state; returns it as stored."""
+        changed = dataclasses.replace(slot, updated_at=self._clock(), worker=None)
+        row = dict(zip(_SLOT_COLUMNS, _slot_row(changed), strict=True))
+        values = {k: row[k] for k in _UPDATED_SLOT_COLUMNS}
         assignments = ", ".join(f"{k} = :{k}" for k in values)
-        with self.transaction():
-            cursor = self._write(
-                f"UPDATE slots SET {assignments} WHERE id = :_id",  # noqa: S608
-                {**values, "_id": slot_id},
-            )
-            if cursor.rowcount != 1:
-                raise StateError(f"slot {slot_id!r} is not in the state database")
-            found = self.get_slot(slot_id)
-        assert found is not None
-        return found
+        cursor = self._write(
+            f"UPDATE slots SET {assignments} WHERE id = :_id",  # noqa: S608
+            {**values, "_id": slot.id},
+        )
+        if cursor.rowcount != 1:
+            raise StateError(f"slot {slot.id!r} is not in the state database")
+        return changed
 
     def delete_slot(self, slot_id: str) -> None:
         self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
 
-    def get_slot(self, slot_id: str) -> SlotRecord | None:
+    def get_slot(self, slot_id: str) -> Slot | None:
         rows = self._read(_SLOT_SELECT + " WHERE id = ?", (slot_id,))
         return _slot_from_row(rows[0]) if rows else None
 
-    def find_slot(self, name: str) -> SlotRecord | None:
+    def find_slot(self, name: str) -> Slot | None:
         rows = self._read(_SLOT_SELECT + " WHERE name = ?", (name,))
         return _slot_from_row(rows[0]) if rows else None
 
-    def list_slots(self) -> list[SlotRecord]:
+    def list_slots(self) -> list[Slot]:
         rows = self._read(_SLOT_SELECT + " ORDER BY created_at, id")
         return [_slot_from_row(r) for r in rows]
 
     # --- workers ------------------------------------------------------------------------------
 
-    def put_worker(self, worker: WorkerRecord) -> WorkerRecord:
-        stored = WorkerRecord(**{**worker.__dict__, "updated_at": self._clock()})
-        row = tuple(
-            _dump(getattr(stored, c)) if c in _JSON_WORKER_COLUMNS else getattr(stored, c)
-            for c in _WORKER_COLUMNS
-        )
-        self._write(_WORKER_UPSERT, row)
+    def put_worker(self, worker: Worker) -> Worker:
+        stored = dataclasses.replace(worker, updated_at=self._clock())
+        self._write(_WORKER_UPSERT, _worker_row(stored))
         return stored
 
-    def update_worker(self, slot_id: str, **changes: Any) -> None:
-        unknown = set(changes) - _UPDATABLE_WORKER
-        if unknown:
-            raise ValueError(f"not updatable worker columns: {sorted(unknown)}")
-        values = {k: _dump(v) if k in _JSON_WORKER_COLUMNS else v for k, v in changes.items()}
-        values["updated_at"] = self._clock()
+    def update_worker(
+        self, slot_id: str, *, desired: Desired | None = None, status: WorkerStatus | None = None
+    ) -> None:
+        """Record what the operator wants of the slot's worker, or its new status."""
+        values: dict[str, Any] = {"updated_at": self._clock()}
+        if desired is not None:
+            values["desired"] = desired
+        if status is not None:
+            values.update(_status_columns(status))
         assignments = ", ".join(f"{k} = :{k}" for k in values)
         sql = f"UPDATE workers SET {assignments} WHERE slot_id = :_id"  # noqa: S608
         self._write(sql, {**values, "_id": slot_id})
@@ -333,11 +312,11 @@ class StateStore:
     def delete_worker(self, slot_id: str) -> None:
         self._write("DELETE FROM workers WHERE slot_id = ?", (slot_id,))
 
-    def get_worker(self, slot_id: str) -> WorkerRecord | None:
+    def get_worker(self, slot_id: str) -> Worker | None:
         rows = self._read(_WORKER_SELECT + " WHERE slot_id = ?", (slot_id,))
         return _worker_from_row(rows[0]) if rows else None
 
-    def list_workers(self) -> list[WorkerRecord]:
+    def list_workers(self) -> list[Worker]:
         rows = self._read(_WORKER_SELECT + " ORDER BY slot_id")
         return [_worker_from_row(r) for r in rows]
 
@@ -362,24 +341,81 @@ class StateStore:
         return [EventRecord(*r) for r in reversed(rows)]
 
 
-def _slot_row(slot: SlotRecord) -> tuple[Any, ...]:
-    return tuple(
-        _dump(getattr(slot, c)) if c in _JSON_SLOT_COLUMNS else getattr(slot, c) for c in _SLOT_COLUMNS
+def _slot_row(slot: Slot) -> tuple[Any, ...]:
+    columns = {
+        "id": slot.id,
+        "name": slot.name,
+        "qos": slot.qos,
+        "request": _dump(request_to_dict(slot.request)),
+        "assignment": None if slot.assignment is None else _dump(slot.assignment.to_dict()),
+        "state": str(slot.state),
+        "reason": slot.reason,
+        # cgroup and network repeat parts of applied, for people reading the database by hand.
+        "cgroup": slot.cgroup,
+        "network": None if slot.network is None else _dump(slot.network.to_json()),
+        "applied": None if slot.applied is None else _dump(slot.applied.to_json()),
+        "created_at": slot.created_at,
+        "updated_at": slot.updated_at,
+    }
+    return tuple(columns[c] for c in _SLOT_COLUMNS)
+
+
+def _slot_from_row(row: tuple[Any, ...]) -> Slot:
+    values = dict(zip(_SLOT_COLUMNS, row, strict=True))
+    assignment = _load(values["assignment"])
+    applied = _load(values["applied"])
+    return Slot(
+        id=values["id"],
+        name=values["name"],
+        state=SlotState(values["state"]),
+        request=parse_slot_request(_load(values["request"])),
+        assignment=None if assignment is None else Assignment.from_dict(assignment),
+        applied=None if applied is None else AppliedSlot.from_json(applied),
+        reason=values["reason"],
+        created_at=values["created_at"],
+        updated_at=values["updated_at"],
     )
 
 
-def _slot_from_row(row: tuple[Any, ...]) -> SlotRecord:
-    values = dict(zip(_SLOT_COLUMNS, row, strict=True))
-    for column in _JSON_SLOT_COLUMNS:
-        values[column] = _load(values[column])
-    return SlotRecord(**values)
+def _status_columns(status: WorkerStatus) -> dict[str, Any]:
+    body = status.to_json()
+    return {
+        "worker_pid": status.pid,
+        "status": _dump(body),
+        "restarts": status.restarts,
+        "last_exit": _dump(body["last_exit"]),
+    }
 
 
-def _worker_from_row(row: tuple[Any, ...]) -> WorkerRecord:
+def _worker_row(worker: Worker) -> tuple[Any, ...]:
+    columns: dict[str, Any] = {
+        "slot_id": worker.slot_id,
+        "spec": _dump(dict(worker.spec)),
+        "desired": worker.desired,
+        "keeper_pid": None,
+        "worker_pid": None,
+        "start_time": None,
+        "status": None,
+        "restarts": 0,
+        "last_exit": None,
+        "updated_at": worker.updated_at,
+    }
+    if worker.status is not None:
+        columns.update(_status_columns(worker.status))
+    return tuple(columns[c] for c in _WORKER_COLUMNS)
+
+
+def _worker_from_row(row: tuple[Any, ...]) -> Worker:
     values = dict(zip(_WORKER_COLUMNS, row, strict=True))
-    for column in _JSON_WORKER_COLUMNS:
-        values[column] = _load(values[column])
-    return WorkerRecord(**values)
+    status = _load(values["status"])
+    desired = values["desired"]
+    return Worker(
+        slot_id=values["slot_id"],
+        spec=_load(values["spec"]),
+        desired="stopped" if desired == "stopped" else "running",
+        status=None if status is None else WorkerStatus.from_json(status),
+        updated_at=values["updated_at"],
+    )
 
 
-__all__ = ["EventRecord", "SlotRecord", "StateError", "StateStore", "WorkerRecord"]
+__all__ = ["EventRecord", "StateError", "StateStore"]

@@ -49,9 +49,11 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
 
 from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
-from nodeagent.agent.daemon import build_kernel, build_manager, ensure_state_dir
-from nodeagent.agent.manager import IsolatorKernel, SlotManager
+from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_dir
+from nodeagent.agent.manager import SlotManager
+from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
+from nodeagent.isolation.backend import KernelIsolation
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}b.slice"
@@ -84,9 +86,9 @@ def agent_config(state_dir: Path) -> AgentConfig:
 
 def remove_bench_objects(state_dir: Path) -> None:
     """Everything under the bench's cgroup parent, netns and veth prefixes (kills what runs there)."""
-    kernel = build_kernel(agent_config(state_dir), discover(gpus=False, fpgas=False))
-    if isinstance(kernel, IsolatorKernel):
-        kernel._isolator.remove_all()  # the uninstall path; no public wrapper yet
+    kernel = build_isolation(agent_config(state_dir), discover(gpus=False, fpgas=False), detect())
+    if isinstance(kernel, KernelIsolation):
+        kernel.isolator.remove_all()  # the uninstall path; no public wrapper yet
 
 
 # =========================================================================== latency

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.cgroups import DeviceRule
 from nodeagent.devices.pci import DeviceNumber, device_node_info
+from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
@@ -77,3 +78,35 @@ def slot_device_rules(spec: SlotIsolationSpec, config: IsolationConfig) -> tuple
     """The allow-list of ``spec``'s slot, resolving its device paths on this host."""
     optional = config.gpu_control_nodes if spec.gpu else ()
     return device_rules(resolve_device_nodes(spec.slot_id, spec.device_paths, optional), config.safe_devices)
+
+
+def assigned_device_nodes(
+    topology: Topology,
+    *,
+    gpus: Iterable[int] = (),
+    mig: Iterable[tuple[int, int, int | None]] = (),
+    fpgas: Iterable[str] = (),
+    named: Iterable[str] = (),
+) -> tuple[str, ...]:
+    """The device nodes behind what placement assigned: ``named`` paths as they are, each held GPU's
+    ``/dev/nvidiaN`` (by its minor number), the capability nodes of each MIG instance
+    ``(gpu index, GPU instance id, compute instance id)`` and each FPGA's nodes; in that order,
+    without duplicates. A GPU or FPGA the topology no longer lists contributes nothing."""
+    paths = list(named)
+    by_index = {gpu.index: gpu for gpu in topology.gpus}
+    mig = tuple(mig)
+    for index in sorted(set(gpus) | {m[0] for m in mig}):
+        gpu = by_index.get(index)
+        if gpu is not None and gpu.minor is not None:
+            paths.append(f"/dev/nvidia{gpu.minor}")
+    for gpu_index, gpu_instance, compute_instance in mig:
+        gpu = by_index.get(gpu_index)
+        instances = gpu.mig.instances if gpu is not None and gpu.mig is not None else ()
+        for inst in instances:
+            if inst.gpu_instance_id == gpu_instance and inst.compute_instance_id == compute_instance:
+                paths += inst.device_nodes
+    by_id = {fpga.id: fpga for fpga in topology.fpgas}
+    for fpga_id in fpgas:
+        if fpga_id in by_id:
+            paths += by_id[fpga_id].device_nodes
+    return tuple(dict.fromkeys(paths))

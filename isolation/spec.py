@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nodeagent.cgroups import DEFAULT_PARENT, DeviceRule, Hierarchy
 from nodeagent.errors import ConfigError, InvalidRequest
@@ -21,7 +20,7 @@ from nodeagent.isolation.resctrl import DEFAULT_ROOT as RESCTRL_ROOT
 
 
 @dataclass(frozen=True)
-class NetworkRequest:
+class SlotNetworkSpec:
     """A network namespace of the slot's own; ``bandwidth_mbit`` shapes its egress."""
 
     bandwidth_mbit: float | None = None
@@ -54,7 +53,7 @@ class SlotIsolationSpec:
     pids_max: int | None = None
     device_paths: tuple[str, ...] = ()
     gpu: bool = False
-    network: NetworkRequest | None = None
+    network: SlotNetworkSpec | None = None
     l3: float | None = None
 
     def __post_init__(self) -> None:
@@ -102,44 +101,6 @@ class SlotIsolationSpec:
             raise InvalidRequest(f"slot {self.slot_id}: pids_max must be at least 1, got {self.pids_max}")
         if self.l3 is not None and not self.l3 > 0:
             raise InvalidRequest(f"slot {self.slot_id}: l3 share must be positive, got {self.l3}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "slot_id": self.slot_id,
-            "qos": self.qos,
-            "cpus": sorted(self.cpus),
-            "exclusive": self.exclusive,
-            "mems": None if self.mems is None else sorted(self.mems),
-            "cpu_quota": self.cpu_quota,
-            "memory_bytes": self.memory_bytes,
-            "pids_max": self.pids_max,
-            "device_paths": list(self.device_paths),
-            "gpu": self.gpu,
-            "network": None if self.network is None else {"bandwidth_mbit": self.network.bandwidth_mbit},
-            "l3": self.l3,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SlotIsolationSpec:
-        try:
-            network = data.get("network")
-            mems = data.get("mems")
-            return cls(
-                slot_id=data["slot_id"],
-                qos=data["qos"],
-                cpus=frozenset(int(c) for c in data.get("cpus", ())),
-                exclusive=bool(data.get("exclusive", False)),
-                mems=None if mems is None else frozenset(int(n) for n in mems),
-                cpu_quota=data.get("cpu_quota"),
-                memory_bytes=data.get("memory_bytes"),
-                pids_max=data.get("pids_max"),
-                device_paths=tuple(str(p) for p in data.get("device_paths", ())),
-                gpu=bool(data.get("gpu", False)),
-                network=None if network is None else NetworkRequest(network.get("bandwidth_mbit")),
-                l3=data.get("l3"),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise InvalidRequest(f"malformed slot isolation spec {data!r}: {err}") from None
 
 
 @dataclass(frozen=True)

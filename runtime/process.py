@@ -18,6 +18,7 @@ import os
 import select
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,20 @@ class ExitRecord:
     @classmethod
     def lost(cls, finished_at: float) -> ExitRecord:
         return cls(None, None, False, finished_at, "lost")
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored and published form; ``description`` is for people and ignored when read."""
+        return {**asdict(self), "description": self.describe()}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> ExitRecord:
+        return cls(
+            code=body.get("code"),
+            signal=body.get("signal"),
+            oom_killed=bool(body.get("oom_killed", False)),
+            finished_at=float(body.get("finished_at", 0.0)),
+            reason=str(body.get("reason", "lost")),
+        )
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
 from nodeagent.runtime.process import (
@@ -85,7 +85,7 @@ class Phase(enum.StrEnum):
     STOPPED = "stopped"
 
 
-_ALIVE = frozenset({Phase.STARTING, Phase.RUNNING, Phase.UNREADY, Phase.STOPPING})
+ALIVE_PHASES = frozenset({Phase.STARTING, Phase.RUNNING, Phase.UNREADY, Phase.STOPPING})
 _WAITING = frozenset({Phase.BACKOFF, Phase.CRASHLOOP})
 
 
@@ -115,6 +115,36 @@ class WorkerStatus:
     last_exit: ExitRecord | None
     next_restart_in: float | None
     message: str
+
+    def same_as(self, other: WorkerStatus) -> bool:
+        """Equal but for the restart countdown, which changes every instant and is computed when read."""
+        return dataclasses.replace(self, next_restart_in=None) == dataclasses.replace(
+            other, next_restart_in=None
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "phase": str(self.phase),
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "consecutive_failures": self.consecutive_failures,
+            "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
+            "next_restart_in": self.next_restart_in,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> WorkerStatus:
+        last_exit = body.get("last_exit")
+        return cls(
+            phase=Phase(body["phase"]),
+            pid=body.get("pid"),
+            restarts=int(body.get("restarts", 0)),
+            consecutive_failures=int(body.get("consecutive_failures", 0)),
+            last_exit=None if last_exit is None else ExitRecord.from_json(last_exit),
+            next_restart_in=body.get("next_restart_in"),
+            message=str(body.get("message", "")),
+        )
 
 
 #: Until a probe has passed once, it is retried at least this often, so a worker that is ready in
@@ -221,7 +251,7 @@ class Supervisor:
     # --- commands ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.phase in _ALIVE:
+        if self.phase in ALIVE_PHASES:
             return
         self._stop_requested = False
         self._launch(self._clock())
@@ -232,7 +262,7 @@ class Supervisor:
         if self.phase in _WAITING or self.phase in (Phase.EXITED, Phase.FAILED):
             self._set(Phase.STOPPED, "stopped on request")
             self._next_restart_at = None
-        elif self.phase in _ALIVE and self.phase is not Phase.STOPPING:
+        elif self.phase in ALIVE_PHASES and self.phase is not Phase.STOPPING:
             self._begin_stop(self._clock(), "stop requested")
 
     def resume(self, handle: WorkerHandle, launched_at: float | None = None) -> None:
@@ -254,7 +284,7 @@ class Supervisor:
 
     def tick(self) -> WorkerStatus:
         now = self._clock()
-        if self.phase in _ALIVE and self._handle is not None:
+        if self.phase in ALIVE_PHASES and self._handle is not None:
             record = self._handle.poll()
             if record is not None:
                 self._after_exit(record, now)
@@ -275,7 +305,7 @@ class Supervisor:
         now = self._clock()
         if self.phase in _WAITING:
             return None if self._next_restart_at is None else max(0.0, self._next_restart_at - now)
-        if self.phase not in _ALIVE or self._handle is None:
+        if self.phase not in ALIVE_PHASES or self._handle is None:
             return None
         if self.phase is Phase.STOPPING:
             return None if self._stop_deadline is None else max(0.0, self._stop_deadline - now)
@@ -288,7 +318,7 @@ class Supervisor:
         None when no worker is alive, or when its handle offers no such descriptor: then only
         polling through ``tick()`` finds the exit.
         """
-        if self.phase not in _ALIVE or self._handle is None:
+        if self.phase not in ALIVE_PHASES or self._handle is None:
             return None
         fd = getattr(self._handle, "exit_fd", None)
         return fd if isinstance(fd, int) and fd >= 0 else None
@@ -299,7 +329,7 @@ class Supervisor:
             wait = max(0.0, self._next_restart_at - self._clock())
         return WorkerStatus(
             phase=self.phase,
-            pid=self._handle.pid if self._handle is not None and self.phase in _ALIVE else None,
+            pid=self._handle.pid if self._handle is not None and self.phase in ALIVE_PHASES else None,
             restarts=self.restarts,
             consecutive_failures=self.consecutive_failures,
             last_exit=self.last_exit,

@@ -15,16 +15,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nodeagent.agent.placement import Allocated, Assignment, capacity, plan
-from nodeagent.agent.service import AllocateResult, NodeInfo, SlotState, SlotView
+from nodeagent.agent.service import AllocateResult, NodeInfo
+from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
 
 
 @dataclass
 class _Slot:
-    view: SlotView
+    view: Slot
     assignment: Assignment
     logs: list[str] = field(default_factory=list)
 
@@ -62,11 +65,11 @@ class FakeSlotService:
         with self._lock:
             return capacity(self._topology, self._allocated()).to_dict()
 
-    def list_slots(self) -> list[SlotView]:
+    def list_slots(self) -> list[Slot]:
         with self._lock:
             return [s.view for s in self._slots.values()]
 
-    def get_slot(self, slot_id: str) -> SlotView:
+    def get_slot(self, slot_id: str) -> Slot:
         with self._lock:
             return self._find(slot_id).view
 
@@ -88,7 +91,7 @@ class FakeSlotService:
         with self._lock:
             existing = self._by_name(parsed.name)
             if existing is not None:
-                if existing.view.request != request_to_dict(parsed):
+                if existing.view.request != parsed:
                     raise Conflict(
                         f"slot name {parsed.name!r} is taken by slot {existing.view.id} with a different "
                         "request; release it first or pick another name"
@@ -97,17 +100,13 @@ class FakeSlotService:
             assignment = plan(self._topology, self._allocated(), parsed)
             slot_id = f"s{next(self._ids)}"
             now = time.time()
-            view = SlotView(
+            view = Slot(
                 id=slot_id,
                 name=parsed.name,
-                qos=parsed.qos,
                 state=SlotState.READY,
-                request=request_to_dict(parsed),
-                assignment=assignment.to_dict(),
-                cgroup=f"nodeagent.slice/{parsed.qos}/{slot_id}",
-                network=None,
-                worker=None,
-                reason=None,
+                request=parsed,
+                assignment=assignment,
+                applied=_applied(slot_id, parsed.qos, f"nodeagent.slice/{parsed.qos}/{slot_id}"),
                 created_at=now,
                 updated_at=now,
             )
@@ -115,22 +114,17 @@ class FakeSlotService:
         self._changed()
         return AllocateResult(view, created=True)
 
-    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> SlotView:
+    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> Slot:
         self.calls.append(("resize", (slot_id, dict(resources))))
         with self._lock:
             slot = self._find(slot_id)
-            merged = dict(slot.view.request)
+            merged = request_to_dict(slot.view.request)
             merged["resources"] = {**merged["resources"], **resources}
             parsed = parse_slot_request(merged)
             others = Allocated.from_assignments(s.assignment for s in self._slots.values() if s is not slot)
             assignment = plan(self._topology, others, parsed)
             slot.assignment = assignment
-            slot.view = replace(
-                slot.view,
-                request=request_to_dict(parsed),
-                assignment=assignment.to_dict(),
-                updated_at=time.time(),
-            )
+            slot.view = replace(slot.view, request=parsed, assignment=assignment, updated_at=time.time())
             view = slot.view
         self._changed()
         return view
@@ -142,27 +136,27 @@ class FakeSlotService:
             del self._slots[slot.view.id]
         self._changed()
 
-    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> SlotView:
+    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> Slot:
         self.calls.append(("start_worker", (slot_id, spec)))
         with self._lock:
             slot = self._find(slot_id)
             if self.fail_worker_start:
                 raise WorkerError(self.fail_worker_start)
-            if spec is None and slot.view.request.get("worker") is None:
+            if spec is None and slot.view.request.worker is None:
                 raise InvalidRequest(
                     f"slot {slot.view.id} has no worker in its request; send a WorkerSpec in the body"
                 )
             if spec is not None and not isinstance(spec.get("command"), list):
                 raise InvalidRequest("worker: command must be a list of strings (argv)")
-            worker = {"phase": "running", "pid": 4242, "restarts": 2, "message": "started"}
+            worker = WorkerStatus(Phase.RUNNING, 4242, 2, 0, None, None, "started")
             slot.view = replace(slot.view, state=SlotState.RUNNING, worker=worker, updated_at=time.time())
             return slot.view
 
-    def stop_worker(self, slot_id: str) -> SlotView:
+    def stop_worker(self, slot_id: str) -> Slot:
         self.calls.append(("stop_worker", slot_id))
         with self._lock:
             slot = self._find(slot_id)
-            worker = {"phase": "stopped", "pid": None, "restarts": 2, "message": "stopped on request"}
+            worker = WorkerStatus(Phase.STOPPED, None, 2, 0, None, None, "stopped on request")
             slot.view = replace(slot.view, state=SlotState.READY, worker=worker, updated_at=time.time())
             return slot.view
 
@@ -183,3 +177,21 @@ class FakeSlotService:
     def _changed(self) -> None:
         for callback in self._subscribers:
             callback()
+
+
+def _applied(slot_id: str, qos: str, cgroup: str) -> AppliedSlot:
+    """What a kernel would have built, as far as the API shows it (the cgroup path)."""
+    return AppliedSlot(
+        slot_id=slot_id,
+        qos=qos,
+        cgroup=cgroup,
+        cgroup_version="fake",
+        procs_files=(),
+        oom_events=None,
+        cpus=frozenset(),
+        mems=None,
+        memory_max=None,
+        sched_idle=False,
+        oom_score_adj=0,
+        device_rules=(),
+    )

@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from nodeagent.agent.config import apply_overrides, parse_config
-from nodeagent.agent.daemon import build_kernel
-from nodeagent.agent.manager import IsolatorKernel
+from nodeagent.agent.daemon import build_isolation
+from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
+from nodeagent.isolation.backend import KernelIsolation
 from tests.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -44,9 +45,9 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
         parse_config({"isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX}}),
         state_dir=d.state,
     )
-    kernel = build_kernel(cfg, discover(gpus=False, fpgas=False))
-    if isinstance(kernel, IsolatorKernel):
-        kernel._isolator.remove_all()
+    kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+    if isinstance(kernel, KernelIsolation):
+        kernel.isolator.remove_all()
 
 
 def random_operation(client: httpx.Client, rng: random.Random) -> None:

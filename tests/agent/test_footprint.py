@@ -26,7 +26,7 @@ manager = build_manager(config)
 manager.start()
 loaded = sorted({m.split(".")[0] for m in sys.modules})
 manager.close()
-manager._kernel._isolator.remove_all()
+manager._isolation.isolator.remove_all()
 print(json.dumps(loaded))
 """
 

@@ -3,25 +3,31 @@ reconcile of every crash state (pending, releasing, orphans, vanished cgroup, de
 
 from __future__ import annotations
 
+import ipaddress
 import signal
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nodeagent.agent.manager import KernelSlot, SlotManager, UnisolatedKernel
+from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.placement import Allocated, Assignment
-from nodeagent.agent.service import SlotState
-from nodeagent.agent.state import SlotRecord, StateStore, WorkerRecord
+from nodeagent.agent.slot import Slot, SlotState, Worker
+from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
-from nodeagent.runtime.launch import SlotBinding
+from nodeagent.isolation.backend import NoIsolation
+from nodeagent.isolation.network import SlotNetwork
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.spec import WorkerSpec
-from nodeagent.runtime.supervisor import SlotCgroup, Supervisor
+from nodeagent.runtime.supervisor import Supervisor
+from nodeagent.runtime.workers import Readoption
 
 TOPOLOGY = synthetic_topology(sockets=1, numa_per_socket=2, cores_per_numa=4, threads_per_core=2)
 WORKER = {"command": ["/bin/sleep", "1000"], "restart": "always"}
@@ -62,13 +68,16 @@ class World:
     fail_release: bool = False
     #: the cgroups present when the manager prepared the hierarchy (the pool is made true then)
     prepared_with: set[str] | None = None
-    pool: frozenset[int] = frozenset()
     next_pid: int = 1000
 
 
-class FakeKernel:
-    def __init__(self, world: World) -> None:
+class FakeIsolation:
+    """The kernel side: cgroups and netns are entries in ``world``; ``names`` maps slot ids to names
+    (the store's), so tests can make the isolation of a slot they know by name fail."""
+
+    def __init__(self, world: World, names: Callable[[str], str] = lambda slot_id: slot_id) -> None:
         self.world = world
+        self._names = names
 
     @property
     def cgroup_mode(self) -> str:
@@ -80,29 +89,43 @@ class FakeKernel:
     def prepare(self) -> None:
         self.world.prepared_with = set(self.world.cgroups)
 
-    def apply(self, slot: KernelSlot, applied: Mapping[str, Any] | None) -> Mapping[str, Any]:
-        if slot.name in self.world.fail_apply:
-            raise CgroupError(f"cannot write cpuset of {slot.id}")
+    def apply(self, spec: SlotIsolationSpec) -> AppliedSlot:
+        name = self._names(spec.slot_id)
+        if name in self.world.fail_apply:
+            raise CgroupError(f"cannot write cpuset of {spec.slot_id}")
         for other, body in self.world.cgroups.items():
-            if (
-                other != slot.id
-                and slot.assignment.exclusive
-                and set(body["cpus"]) & set(slot.assignment.cpus)
-            ):
-                raise AssertionError(f"CPUs of {slot.id} already held by {other} in the kernel")
-        body: dict[str, Any] = {"cgroup": f"test.slice/{slot.id}", "cpus": list(slot.assignment.cpus)}
-        body["network"] = {"netns": f"na-{slot.id}"} if slot.request.resources.network else None
-        if body["network"]:
-            self.world.netns.add(slot.id)
-        self.world.cgroups[slot.id] = body
-        if slot.name in self.world.fail_apply_late:
-            raise CgroupError(f"cannot write memory limit of {slot.id}")
-        return body
+            if other != spec.slot_id and spec.exclusive and set(body["cpus"]) & spec.cpus:
+                raise AssertionError(f"CPUs of {spec.slot_id} already held by {other} in the kernel")
+        cpus = sorted(spec.cpus)
+        cgroup = f"test.slice/{spec.slot_id}"
+        body: dict[str, Any] = {"cgroup": cgroup, "cpus": cpus, "exclusive": spec.exclusive}
+        network = None
+        if spec.network is not None:
+            self.world.netns.add(spec.slot_id)
+            network = fake_network(spec.slot_id)
+        self.world.cgroups[spec.slot_id] = body
+        if name in self.world.fail_apply_late:
+            raise CgroupError(f"cannot write memory limit of {spec.slot_id}")
+        return AppliedSlot(
+            slot_id=spec.slot_id,
+            qos=spec.qos,
+            cgroup=body["cgroup"],
+            cgroup_version="v1",
+            procs_files=(f"/fake/{spec.slot_id}/cgroup.procs",),
+            oom_events=None,
+            cpus=spec.cpus,
+            mems=spec.mems,
+            memory_max=spec.memory_bytes,
+            sched_idle=False,
+            oom_score_adj=0,
+            device_rules=(),
+            network=network,
+        )
 
-    def exists(self, slot_id: str, applied: Mapping[str, Any]) -> bool:
-        return slot_id in self.world.cgroups
+    def exists(self, applied: AppliedSlot) -> bool:
+        return applied.slot_id in self.world.cgroups
 
-    def release(self, slot_id: str, applied: Mapping[str, Any] | None) -> None:
+    def release(self, slot_id: str) -> None:
         if self.world.fail_release:
             raise CgroupError(f"cannot remove the cgroup of {slot_id}: EBUSY")
         self.world.cgroups.pop(slot_id, None)
@@ -111,22 +134,32 @@ class FakeKernel:
         if process is not None and process.exit is None:
             process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
 
-    def set_shared_pool(self, cpus: frozenset[int]) -> None:
-        self.world.pool = cpus
-
-    def remove_orphans(self, keep: Mapping[str, Mapping[str, Any] | None]) -> list[str]:
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
         gone = [s for s in self.world.cgroups if s not in keep]
         for slot_id in gone:
-            self.release(slot_id, None)
+            self.release(slot_id)
         stray = [n for n in self.world.netns if n not in keep]
         self.world.netns -= set(stray)
         return [f"cgroup {s}" for s in gone] + [f"netns {n}" for n in stray]
 
-    def binding(self, slot_id: str, applied: Mapping[str, Any]) -> SlotBinding:
-        return SlotBinding(cgroup_procs=(f"/fake/{slot_id}/cgroup.procs",))
 
-    def slot_cgroup(self, slot_id: str, applied: Mapping[str, Any]) -> SlotCgroup:
-        return FakeCgroup(self.world, slot_id)
+def fake_network(slot_id: str) -> SlotNetwork:
+    return SlotNetwork(
+        slot_id=slot_id,
+        netns=f"na-{slot_id}",
+        netns_path=Path(f"/run/netns/na-{slot_id}"),
+        host_ifname=f"nah-{slot_id}",
+        slot_ifname="eth0",
+        subnet=ipaddress.IPv4Network("10.77.0.0/30"),
+        host_address=ipaddress.IPv4Address("10.77.0.1"),
+        slot_address=ipaddress.IPv4Address("10.77.0.2"),
+    )
+
+
+def shared_pool(world: World) -> set[int]:
+    """The CPUs no exclusive cgroup holds, as the real isolator keeps the pool."""
+    held = {cpu for body in world.cgroups.values() if body.get("exclusive") for cpu in body["cpus"]}
+    return {cpu.id for cpu in TOPOLOGY.cpus} - held
 
 
 @dataclass
@@ -164,26 +197,22 @@ class FakeRuntime:
     def __init__(self, world: World) -> None:
         self.world = world
 
-    def supervisor(
-        self,
-        slot: KernelSlot,
-        spec: WorkerSpec,
-        binding: SlotBinding,
-        cgroup: SlotCgroup,
-        addresses: Sequence[str],
-    ) -> Supervisor:
-        template = LaunchRequest(launch_id=slot.id, argv=spec.command, env={}, run_dir="/x", log_dir="/x")
-        return Supervisor(spec, template, FakeLauncher(self.world, slot.id), cgroup)
+    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
+        template = LaunchRequest(
+            launch_id=slot.slot_id, argv=spec.command, env={}, run_dir="/x", log_dir="/x"
+        )
+        cgroup = FakeCgroup(self.world, slot.slot_id)
+        return Supervisor(spec, template, FakeLauncher(self.world, slot.slot_id), cgroup)
 
-    def readopt(self, slot_id: str, supervisor: Supervisor) -> str:
+    def readopt(self, slot_id: str, supervisor: Supervisor) -> Readoption:
         process = self.world.processes.get(slot_id)
         if process is None:
-            return "none"
+            return Readoption.NONE
         if process.exit is None:
             supervisor.resume(process)
-            return "adopted"
+            return Readoption.ADOPTED
         supervisor.resume_exited(process.exit)
-        return "exited"
+        return Readoption.EXITED
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
         return [f"{slot_id} line {n}" for n in range(lines)]
@@ -209,7 +238,8 @@ def make(tmp_path: Path, world: World) -> Iterator[Any]:
 
     def build(kernel: Any = None) -> SlotManager:
         store = StateStore(tmp_path / "state.db")
-        manager = SlotManager(store, TOPOLOGY, kernel or FakeKernel(world), FakeRuntime(world))
+        isolation = kernel or FakeIsolation(world, names=lambda slot_id: store_name(store, slot_id))
+        manager = SlotManager(store, TOPOLOGY, isolation, FakeRuntime(world))
         managers.append(manager)
         manager.start(supervise=False)
         return manager
@@ -217,6 +247,11 @@ def make(tmp_path: Path, world: World) -> Iterator[Any]:
     yield build
     for manager in managers:
         manager.close()
+
+
+def store_name(store: StateStore, slot_id: str) -> str:
+    slot = store.get_slot(slot_id)
+    return slot_id if slot is None else slot.name
 
 
 def guaranteed(name: str = "web", cpus: int = 2, **extra: Any) -> dict[str, Any]:
@@ -228,8 +263,8 @@ def held_cpus(manager: SlotManager) -> list[int]:
     for view in manager.list_slots():
         if view.state in (SlotState.PENDING, SlotState.READY, SlotState.RUNNING, SlotState.RELEASING):
             assert view.assignment is not None
-            if view.assignment["exclusive"]:
-                cpus += view.assignment["cpus"]
+            if view.assignment.exclusive:
+                cpus += view.assignment.cpus
     return cpus
 
 
@@ -244,10 +279,10 @@ def test_allocate_applies_isolation_and_records_ready(make: Any, world: World) -
     assert slot.state is SlotState.READY
     assert slot.cgroup == f"test.slice/{slot.id}"
     assert slot.assignment is not None
-    assert len(slot.assignment["cpus"]) == 2
-    assert world.cgroups[slot.id]["cpus"] == slot.assignment["cpus"]
+    assert len(list(slot.assignment.cpus)) == 2
+    assert world.cgroups[slot.id]["cpus"] == list(slot.assignment.cpus)
     assert manager.get_slot("web") == manager.get_slot(slot.id)
-    assert not set(slot.assignment["cpus"]) & world.pool  # exclusive CPUs left the shared pool
+    assert not set(slot.assignment.cpus) & shared_pool(world)  # exclusive CPUs left the shared pool
 
 
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
@@ -334,7 +369,7 @@ def test_no_cpu_is_handed_out_twice(make: Any) -> None:
 
 def test_degraded_kernel_refuses_allocation(tmp_path: Path, world: World) -> None:
     store = StateStore(tmp_path / "db")
-    kernel = UnisolatedKernel(["cgroups are read-only: not root"])
+    kernel = NoIsolation(["cgroups are read-only: not root"])
     manager = SlotManager(store, TOPOLOGY, kernel, FakeRuntime(world))
     manager.start(supervise=False)
     try:
@@ -348,7 +383,7 @@ def test_degraded_kernel_refuses_allocation(tmp_path: Path, world: World) -> Non
 def test_degraded_kernel_with_unisolated_allowed(tmp_path: Path, world: World) -> None:
     store = StateStore(tmp_path / "db")
     manager = SlotManager(
-        store, TOPOLOGY, UnisolatedKernel(["no root"]), FakeRuntime(world), allow_unisolated=True
+        store, TOPOLOGY, NoIsolation(["no root"]), FakeRuntime(world), allow_unisolated=True
     )
     manager.start(supervise=False)
     try:
@@ -368,7 +403,7 @@ def test_release_stops_the_worker_and_removes_everything(make: Any, world: World
     manager.subscribe(lambda: events.append(1))
     slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
     assert slot.worker is not None
-    assert slot.worker["phase"] == "running"
+    assert slot.worker.phase == "running"
     assert manager.get_slot(slot.id).state is SlotState.RUNNING
     process = world.processes[slot.id]
     manager.release(slot.id)
@@ -386,9 +421,9 @@ def test_resize_replans_and_reapplies(make: Any, world: World) -> None:
     slot = manager.allocate(guaranteed(cpus=2)).slot
     resized = manager.resize(slot.id, {"cpus": 4})
     assert resized.assignment is not None
-    assert len(resized.assignment["cpus"]) == 4
-    assert world.cgroups[slot.id]["cpus"] == resized.assignment["cpus"]
-    assert resized.request["resources"]["cpus"] == 4
+    assert len(list(resized.assignment.cpus)) == 4
+    assert world.cgroups[slot.id]["cpus"] == list(resized.assignment.cpus)
+    assert resized.request.resources.cpus == 4
     with pytest.raises(PlacementError):
         manager.resize(slot.id, {"cpus": 64})
     assert manager.get_slot(slot.id).assignment == resized.assignment
@@ -416,8 +451,8 @@ def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     view = manager.get_slot(slot.id)
     assert view.state is SlotState.READY
     assert view.worker is not None
-    assert view.worker["phase"] == "failed"
-    assert view.worker["last_exit"]["code"] == 1
+    assert view.worker.phase == "failed"
+    assert view.worker.last_exit.code == 1
     assert manager.logs(slot.id, 2) == [f"{slot.id} line 0", f"{slot.id} line 1"]
 
 
@@ -426,14 +461,14 @@ def test_stop_worker(make: Any, world: World) -> None:
     slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
     view = manager.stop_worker(slot.id)
     assert view.worker is not None
-    assert view.worker["phase"] == "stopped"
+    assert view.worker.phase == "stopped"
     assert signal.SIGTERM in world.processes[slot.id].signals
 
 
 # --------------------------------------------------------------------------- reconcile after a crash
 
 
-def crash_with(tmp_path: Path, *records: SlotRecord) -> None:
+def crash_with(tmp_path: Path, *records: Slot) -> None:
     """Write the database as a crashed agent would have left it."""
     store = StateStore(tmp_path / "state.db")
     for record in records:
@@ -441,13 +476,13 @@ def crash_with(tmp_path: Path, *records: SlotRecord) -> None:
     store.close()
 
 
-def planned(name: str, state: str, slot_id: str) -> SlotRecord:
+def planned(name: str, state: str, slot_id: str) -> Slot:
     from nodeagent.agent.placement import plan
-    from nodeagent.schema.request import parse_slot_request, request_to_dict
+    from nodeagent.schema.request import parse_slot_request
 
     req = parse_slot_request(guaranteed(name))
     assignment = plan(TOPOLOGY, Allocated(), req)
-    return SlotRecord(slot_id, name, "guaranteed", request_to_dict(req), assignment.to_dict(), state)
+    return Slot(slot_id, name, SlotState(state), req, assignment)
 
 
 def test_reconcile_finishes_a_pending_slot(tmp_path: Path, make: Any, world: World) -> None:
@@ -513,7 +548,7 @@ def test_restart_readopts_a_live_worker(make: Any, world: World) -> None:
     assert second.report.workers_adopted == ["web"]
     view = second.get_slot(slot.id)
     assert view.worker is not None
-    assert view.worker["pid"] == pid
+    assert view.worker.pid == pid
     assert world.launches == [slot.id]  # not launched twice
 
 
@@ -526,14 +561,14 @@ def test_restart_applies_the_restart_policy_to_a_dead_worker(make: Any, world: W
     assert second.report.workers_exited == ["web"]
     view = second.get_slot(slot.id)
     assert view.worker is not None
-    assert view.worker["phase"] == "backoff"
-    assert view.worker["last_exit"]["signal"] == signal.SIGKILL
+    assert view.worker.phase == "backoff"
+    assert view.worker.last_exit.signal == signal.SIGKILL
 
 
 def test_restart_launches_a_worker_that_was_never_launched(tmp_path: Path, make: Any, world: World) -> None:
     crash_with(tmp_path, planned("web", "ready", "sa"))
     store = StateStore(tmp_path / "state.db")
-    store.put_worker(WorkerRecord(slot_id="sa", spec=WORKER))
+    store.put_worker(Worker(slot_id="sa", spec=WORKER))
     store.close()
     world.cgroups["sa"] = {"cgroup": "test.slice/sa", "cpus": []}
     manager = make()
@@ -550,7 +585,7 @@ def test_ledger_is_rebuilt_from_the_database(tmp_path: Path, make: Any) -> None:
     assert cpus_a is not None
     b = second.allocate(guaranteed("b", cpus=4)).slot
     assert b.assignment is not None
-    assert not set(cpus_a["cpus"]) & set(b.assignment["cpus"])
+    assert not set(cpus_a.cpus) & set(b.assignment.cpus)
     capacity = second.capacity()
     assert capacity["resources"]["cpus"]["allocated"] == 8
     assert capacity["slots"]["ready"] == 2
@@ -559,4 +594,4 @@ def test_ledger_is_rebuilt_from_the_database(tmp_path: Path, make: Any) -> None:
 def test_assignment_round_trip_is_what_the_ledger_reads() -> None:
     record = planned("web", "ready", "sa")
     assert record.assignment is not None
-    assert Assignment.from_dict(record.assignment).to_dict() == record.assignment
+    assert Assignment.from_dict(record.assignment.to_dict()) == record.assignment

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from nodeagent.agent.config import apply_overrides, parse_config
-from nodeagent.agent.daemon import build_kernel, build_manager, ensure_state_dir
-from nodeagent.agent.manager import IsolatorKernel, SlotManager
-from nodeagent.agent.service import SlotState
+from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_dir
+from nodeagent.agent.manager import SlotManager
+from nodeagent.agent.slot import SlotState
+from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
+from nodeagent.isolation.backend import KernelIsolation
 
 pytestmark = pytest.mark.root
 
@@ -35,9 +37,9 @@ def config(tmp_path: Path) -> Iterator[object]:
     )
     ensure_state_dir(cfg.state_dir)
     yield cfg
-    kernel = build_kernel(cfg, discover(gpus=False, fpgas=False))
-    if isinstance(kernel, IsolatorKernel):
-        kernel._isolator.remove_all()  # kills anything left in the slots, removes the parent
+    kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+    if isinstance(kernel, KernelIsolation):
+        kernel.isolator.remove_all()  # kills anything left in the slots, removes the parent
 
 
 def make(config: object) -> SlotManager:
@@ -61,16 +63,16 @@ def test_allocate_readopt_release_on_the_real_kernel(config: object) -> None:
     assert slot.assignment is not None
     assert slot.cgroup == f"{PARENT}/{slot.id}"
     cpuset_dir = CGROUP_ROOT / "cpuset" / slot.cgroup
-    assert parse_cpulist((cpuset_dir / "cpuset.cpus").read_text()) == frozenset(slot.assignment["cpus"])
+    assert parse_cpulist((cpuset_dir / "cpuset.cpus").read_text()) == frozenset(slot.assignment.cpus)
     assert (CGROUP_ROOT / "memory" / slot.cgroup / "memory.limit_in_bytes").read_text().strip() == str(
         64 << 20
     )
     assert slot.worker is not None
-    pid = slot.worker["pid"]
+    pid = slot.worker.pid
     assert str(pid) in (cpuset_dir / "tasks").read_text().split()
     # The shared pool (the parent's other groups) no longer has the slot's CPUs.
     pool = parse_cpulist((CGROUP_ROOT / "cpuset" / PARENT / "burstable" / "cpuset.cpus").read_text())
-    assert not pool & frozenset(slot.assignment["cpus"])
+    assert not pool & frozenset(slot.assignment.cpus)
     first.close()
 
     assert alive(pid)  # workers outlive the agent
@@ -81,7 +83,7 @@ def test_allocate_readopt_release_on_the_real_kernel(config: object) -> None:
         assert second.report.orphans_removed == []
         view = second.get_slot("kern")
         assert view.worker is not None
-        assert view.worker["pid"] == pid
+        assert view.worker.pid == pid
         began = time.monotonic()
         second.release("kern")
         print(f"release with a running worker: {(time.monotonic() - began) * 1000:.1f} ms")

@@ -10,7 +10,7 @@ import pytest
 
 from nodeagent.agent.daemon import SlotStats
 from nodeagent.agent.metrics import Metrics
-from nodeagent.agent.service import SlotView
+from nodeagent.agent.slot import Slot
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from tests.agent.fake_service import FakeSlotService
 
@@ -30,7 +30,7 @@ class PreparedProvider:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    def prepare(self, slots: list[SlotView]) -> None:
+    def prepare(self, slots: list[Slot]) -> None:
         self.calls.append(("prepare", sorted(s.name for s in slots)))
 
     def __call__(self, slot_id: str) -> CgroupStats | None:
@@ -50,11 +50,11 @@ def test_prepare_gets_the_listed_slots_before_any_figures_are_asked_for() -> Non
 
 
 class CountingManager:
-    def __init__(self, views: dict[str, SlotView]) -> None:
+    def __init__(self, views: dict[str, Slot]) -> None:
         self.views = views
         self.lookups: list[str] = []
 
-    def get_slot(self, slot_id: str) -> SlotView:
+    def get_slot(self, slot_id: str) -> Slot:
         self.lookups.append(slot_id)
         return self.views[slot_id]
 
@@ -64,7 +64,7 @@ def test_slot_stats_takes_each_slots_cgroup_from_the_scrapes_listing_and_looks_u
     service = FakeSlotService()
     for name in ("listed", "unlisted"):
         service.allocate({"name": name, "qos": "best-effort", "resources": {}})
-    listed, unlisted = (dataclasses.replace(view, cgroup=None) for view in service.list_slots())
+    listed, unlisted = (dataclasses.replace(view, applied=None) for view in service.list_slots())
     manager = CountingManager({listed.id: listed, unlisted.id: unlisted})
     stats = SlotStats(manager)  # type: ignore[arg-type]
     stats.prepare([listed])

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from nodeagent.agent.placement import Assignment
 from nodeagent.agent.reporter import (
     HEARTBEAT_SCHEMA,
     REGISTER_SCHEMA,
@@ -28,10 +29,13 @@ from nodeagent.agent.reporter import (
     backoff_delay,
     next_epoch,
 )
-from nodeagent.agent.service import NodeInfo, SlotState, SlotView
+from nodeagent.agent.service import NodeInfo
+from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError
+from nodeagent.runtime.supervisor import Phase, WorkerStatus
+from nodeagent.schema.request import parse_slot_request
 
 BOUND = 10.0  # seconds: generous upper bound for anything that should happen "soon"
 
@@ -159,27 +163,25 @@ def controller() -> Iterator[Controller]:
 # --------------------------------------------------------------------------- a fake service
 
 
-def slot(slot_id: str, name: str, state: SlotState, phase: str | None) -> SlotView:
-    return SlotView(
+def slot(slot_id: str, name: str, state: SlotState, phase: str | None) -> Slot:
+    return Slot(
         id=slot_id,
         name=name,
-        qos="guaranteed",
         state=state,
-        request={"name": name},
-        assignment={
-            "cpuset": "2-3",
-            "exclusive": True,
-            "numa_nodes": [0],
-            "memory_bytes": 1 << 30,
-            "gpus": [0],
-            "gpu_uuids": ["GPU-0"],
-            "mig": [],
-            "fpgas": [],
-        },
-        cgroup=f"nodeagent/{slot_id}",
-        network=None,
-        worker=None if phase is None else {"phase": phase, "pid": 42},
-        reason=None,
+        request=parse_slot_request({"name": name, "qos": "guaranteed", "resources": {"cpus": 2}}),
+        assignment=Assignment(
+            name=name,
+            qos="guaranteed",
+            cpus=(2, 3),
+            exclusive=True,
+            cpu_quota_millis=0,
+            numa_nodes=(0,),
+            memory_bytes=1 << 30,
+            memory_by_node={},
+            gpus=(0,),
+            gpu_uuids=("GPU-0",),
+        ),
+        worker=None if phase is None else WorkerStatus(Phase(phase), 42, 0, 0, None, None, phase),
         created_at=1.0,
         updated_at=2.0,
     )
@@ -205,7 +207,7 @@ class FakeService:
     def capacity(self) -> dict[str, Any]:
         return {"resources": {"cpus": {"total": 8, "free": 6}}, "by_numa": {}, "shared_pool": {}}
 
-    def list_slots(self) -> list[SlotView]:
+    def list_slots(self) -> list[Slot]:
         return list(self.slots)
 
     def subscribe(self, callback: Callable[[], None]) -> None:

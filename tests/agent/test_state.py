@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import threading
 from pathlib import Path
 
 import pytest
 
-from nodeagent.agent.state import MIGRATIONS, SlotRecord, StateError, StateStore, WorkerRecord
+from nodeagent.agent.placement import Assignment
+from nodeagent.agent.slot import Slot, SlotState, Worker
+from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.runtime.process import ExitRecord
+from nodeagent.runtime.supervisor import Phase, WorkerStatus
+from nodeagent.schema.request import parse_slot_request
 
 
 @pytest.fixture
@@ -18,14 +25,39 @@ def store(tmp_path: Path) -> StateStore:
     s.close()
 
 
-def slot(slot_id: str = "s1", name: str = "web", state: str = "pending") -> SlotRecord:
-    return SlotRecord(
+def slot(slot_id: str = "s1", name: str = "web", state: SlotState = SlotState.PENDING) -> Slot:
+    return Slot(
         id=slot_id,
         name=name,
-        qos="guaranteed",
-        request={"name": name, "qos": "guaranteed", "resources": {"cpus": 2}},
-        assignment={"cpus": [2, 3], "exclusive": True},
         state=state,
+        request=parse_slot_request({"name": name, "qos": "guaranteed", "resources": {"cpus": 2}}),
+        assignment=Assignment(
+            name=name,
+            qos="guaranteed",
+            cpus=(2, 3),
+            exclusive=True,
+            cpu_quota_millis=0,
+            numa_nodes=(0,),
+            memory_bytes=0,
+            memory_by_node={},
+        ),
+    )
+
+
+def applied(slot_id: str) -> AppliedSlot:
+    return AppliedSlot(
+        slot_id=slot_id,
+        qos="guaranteed",
+        cgroup=f"x/{slot_id}",
+        cgroup_version="v1",
+        procs_files=(f"/sys/fs/cgroup/cpuset/x/{slot_id}/cgroup.procs",),
+        oom_events=None,
+        cpus=frozenset({2, 3}),
+        mems=None,
+        memory_max=None,
+        sched_idle=False,
+        oom_score_adj=-998,
+        device_rules=("c 1:3 rw",),
     )
 
 
@@ -40,10 +72,11 @@ def test_slot_round_trip_and_update(store: StateStore) -> None:
     stored = store.insert_slot(slot())
     assert store.get_slot("s1") == stored
     assert store.find_slot("web") == stored
-    updated = store.update_slot("s1", state="ready", applied={"cgroup": "x/s1"}, cgroup="x/s1")
-    assert updated.state == "ready"
-    assert updated.applied == {"cgroup": "x/s1"}
-    assert updated.assignment == {"cpus": [2, 3], "exclusive": True}
+    updated = store.update_slot(dataclasses.replace(stored, state=SlotState.READY, applied=applied("s1")))
+    assert store.get_slot("s1") == updated
+    assert updated.state is SlotState.READY
+    assert updated.cgroup == "x/s1"
+    assert updated.assignment == stored.assignment
     assert [r.id for r in store.list_slots()] == ["s1"]
 
 
@@ -53,20 +86,21 @@ def test_name_is_unique(store: StateStore) -> None:
         store.insert_slot(slot("s2", "web"))
 
 
-def test_unknown_update_column_and_missing_slot(store: StateStore) -> None:
-    with pytest.raises(ValueError, match="name"):
-        store.update_slot("s1", name="other")
+def test_update_of_a_missing_slot_is_refused(store: StateStore) -> None:
     with pytest.raises(StateError, match="not in the state database"):
-        store.update_slot("nope", state="ready")
+        store.update_slot(slot("nope"))
 
 
 def test_workers_cascade_with_their_slot(store: StateStore) -> None:
     store.insert_slot(slot())
-    store.put_worker(WorkerRecord(slot_id="s1", spec={"command": ["sleep", "1"]}))
-    store.update_worker("s1", worker_pid=42, status={"phase": "running"}, restarts=1)
+    store.put_worker(Worker(slot_id="s1", spec={"command": ["sleep", "1"]}))
+    last_exit = ExitRecord(1, None, False, 5.0, "exited")
+    status = WorkerStatus(Phase.RUNNING, 42, 1, 0, last_exit, None, "pid 42 ready")
+    store.update_worker("s1", status=status)
+    store.update_worker("s1", desired="stopped")
     worker = store.get_worker("s1")
     assert worker is not None
-    assert (worker.worker_pid, worker.restarts, worker.status) == (42, 1, {"phase": "running"})
+    assert (worker.status, worker.desired) == (status, "stopped")
     store.delete_slot("s1")
     assert store.get_worker("s1") is None
     assert store.list_workers() == []
@@ -74,7 +108,7 @@ def test_workers_cascade_with_their_slot(store: StateStore) -> None:
 
 def test_worker_needs_an_existing_slot(store: StateStore) -> None:
     with pytest.raises(StateError):
-        store.put_worker(WorkerRecord(slot_id="ghost", spec={}))
+        store.put_worker(Worker(slot_id="ghost", spec={}))
 
 
 def test_transaction_rolls_back_everything_on_error(store: StateStore) -> None:
@@ -82,7 +116,7 @@ def test_transaction_rolls_back_everything_on_error(store: StateStore) -> None:
 
     def failing_change() -> None:
         with store.transaction():
-            store.update_slot("s1", state="ready")
+            store.update_slot(slot(state=SlotState.READY))
             store.add_event("x", "inside")
             raise RuntimeError("boom")
 

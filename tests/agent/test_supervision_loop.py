@@ -12,21 +12,21 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nodeagent.agent.manager import KernelSlot, SlotManager
-from nodeagent.agent.service import SlotView
+from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.state import StateStore
-from nodeagent.runtime.launch import SlotBinding
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.spec import WorkerSpec
-from nodeagent.runtime.supervisor import Backoff, SlotCgroup, Supervisor
-from tests.agent.test_manager import TOPOLOGY, FakeKernel, FakeRuntime, World, guaranteed
+from nodeagent.runtime.supervisor import Backoff, Supervisor
+from tests.agent.test_manager import TOPOLOGY, FakeCgroup, FakeIsolation, FakeRuntime, World, guaranteed
 
 WAIT_SECONDS = 10.0  # generous: the machine may be busy; the loop normally reacts in milliseconds
 
@@ -86,17 +86,11 @@ class SleepRuntime(FakeRuntime):
         self._started = started
         self.backoff = Backoff(initial_seconds=0.2)
 
-    def supervisor(
-        self,
-        slot: KernelSlot,
-        spec: WorkerSpec,
-        binding: SlotBinding,
-        cgroup: SlotCgroup,
-        addresses: Sequence[str],
-    ) -> Supervisor:
-        template = LaunchRequest(launch_id=slot.id, argv=spec.command, env={}, run_dir="/x", log_dir="/x")
-        launcher = SleepLauncher(self.processes, slot.id, self._started)
-        return Supervisor(spec, template, launcher, cgroup, backoff=self.backoff)
+    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
+        slot_id = slot.slot_id
+        template = LaunchRequest(launch_id=slot_id, argv=spec.command, env={}, run_dir="/x", log_dir="/x")
+        launcher = SleepLauncher(self.processes, slot_id, self._started)
+        return Supervisor(spec, template, launcher, FakeCgroup(self.world, slot_id), backoff=self.backoff)
 
 
 @pytest.fixture
@@ -115,7 +109,7 @@ def supervised(
 ) -> Iterator[tuple[SlotManager, SleepRuntime]]:
     runtime = SleepRuntime(World(), started)
     manager = SlotManager(
-        StateStore(tmp_path / "state.db"), TOPOLOGY, FakeKernel(World()), runtime, tick_seconds=0.05
+        StateStore(tmp_path / "state.db"), TOPOLOGY, FakeIsolation(World()), runtime, tick_seconds=0.05
     )
     manager.start()
     yield manager, runtime
@@ -130,9 +124,9 @@ def wait_for(check: Callable[[], bool]) -> None:
 
 
 def worker(manager: SlotManager, slot_id: str) -> dict[str, Any]:
-    view: SlotView = manager.get_slot(slot_id)
+    view = manager.get_slot(slot_id)
     assert view.worker is not None
-    return dict(view.worker)
+    return view.worker.to_json()
 
 
 def test_idle_workers_are_not_polled_and_an_exit_is_seen_without_polling_the_others(

@@ -1,0 +1,104 @@
+"""A slot as the daemon knows it: one typed record from the API to the kernel and back.
+
+``Slot`` carries what the client asked for (:class:`SlotRequest`), what placement gave it
+(:class:`Assignment`), what isolation built (:class:`AppliedSlot`) and, when it is read through the
+service, its worker's status (:class:`WorkerStatus`). The state store turns it into rows and the
+REST layer into JSON; nothing in between handles its JSON form.
+
+Life cycle: ``pending`` (written with its assignment, kernel objects being created) -> ``ready``
+(isolated, no worker running) -> ``running`` (its worker is running and ready) -> ``releasing``;
+or ``failed`` with a reason (then it holds no resources and no kernel objects).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nodeagent.agent.placement import Assignment
+from nodeagent.isolation.network import SlotNetwork
+from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.runtime.supervisor import WorkerStatus
+from nodeagent.schema.request import SlotRequest, request_to_dict
+
+
+class SlotState(enum.StrEnum):
+    PENDING = "pending"  #: written with its assignment, kernel objects being created
+    READY = "ready"  #: isolated, no worker running
+    RUNNING = "running"  #: its worker is running and ready
+    RELEASING = "releasing"  #: being torn down
+    FAILED = "failed"  #: see ``reason``
+
+
+#: States in which a slot holds its resources (and may hold kernel objects).
+HOLDING = frozenset({SlotState.PENDING, SlotState.READY, SlotState.RUNNING, SlotState.RELEASING})
+
+#: What the operator wants of a slot's worker.
+Desired = Literal["running", "stopped"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    id: str
+    name: str
+    state: SlotState
+    request: SlotRequest
+    assignment: Assignment | None
+    #: What isolation built: what release must take down. None before isolation, or unisolated.
+    applied: AppliedSlot | None = None
+    reason: str | None = None  #: why it failed, when state is failed
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    #: The worker's live status; set on slots read through the service, None without a worker.
+    worker: WorkerStatus | None = None
+
+    @property
+    def qos(self) -> str:
+        return self.request.qos
+
+    @property
+    def holding(self) -> bool:
+        return self.state in HOLDING
+
+    @property
+    def cgroup(self) -> str | None:
+        """The slot's cgroup path, relative to the cgroup root(s)."""
+        return None if self.applied is None else self.applied.cgroup
+
+    @property
+    def network(self) -> SlotNetwork | None:
+        return None if self.applied is None else self.applied.network
+
+    def to_json(self) -> dict[str, Any]:
+        """The published form: the body of GET /v1/slots/{id}."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "qos": self.qos,
+            "state": str(self.state),
+            "request": request_to_dict(self.request),
+            "assignment": None if self.assignment is None else self.assignment.to_dict(),
+            "cgroup": self.cgroup,
+            "network": None if self.network is None else self.network.to_json(),
+            "worker": None if self.worker is None else self.worker.to_json(),
+            "reason": self.reason,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A slot's worker as stored: its spec (the client's JSON, presets not yet applied), what the
+    operator wants of it, and its last known status."""
+
+    slot_id: str
+    spec: Mapping[str, Any]
+    desired: Desired = "running"
+    status: WorkerStatus | None = None
+    updated_at: float = 0.0
+
+
+__all__ = ["HOLDING", "Desired", "Slot", "SlotState", "Worker"]

@@ -1,0 +1,125 @@
+"""The isolation side as the agent's slot manager sees it.
+
+:class:`IsolationBackend` is the seam (the manager's tests plug a fake in). Two implementations:
+
+- :class:`KernelIsolation`: the real one, :class:`~nodeagent.isolation.slot.SlotIsolator` on this
+  host's cgroups. The isolator keeps the shared pool right by itself (it cuts the pool before an
+  exclusive slot gets its CPUs and grows it after a release), so the manager never has to.
+- :class:`NoIsolation`: the stand-in when this host cannot isolate (no root, no writable cgroups).
+  ``degraded`` says why; slots are bookkeeping only and ``apply`` builds nothing (None).
+
+Every method is idempotent: start-up reconciliation calls them again after a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from nodeagent.cgroups import open_manager
+from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
+from nodeagent.isolation.spec import SlotIsolationSpec
+
+
+class IsolationBackend(Protocol):
+    @property
+    def cgroup_mode(self) -> str: ...
+
+    def degraded(self) -> tuple[str, ...]:
+        """What this host cannot isolate, and why (empty when everything works)."""
+        ...
+
+    def prepare(self) -> None:
+        """Create the agent's parent objects (cgroup parents, the shared pool)."""
+        ...
+
+    def apply(self, spec: SlotIsolationSpec) -> AppliedSlot | None:
+        """Create or correct the slot's kernel objects; what was built (None: nothing, unisolated)."""
+        ...
+
+    def exists(self, applied: AppliedSlot) -> bool:
+        """Whether the slot's cgroup is still there."""
+        ...
+
+    def release(self, slot_id: str) -> None:
+        """Kill what runs in the slot and remove its objects; missing objects are fine."""
+        ...
+
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
+        """Remove our objects that belong to no slot id in ``keep``; say what went."""
+        ...
+
+
+class KernelIsolation:
+    """:class:`IsolationBackend` over a :class:`SlotIsolator`."""
+
+    def __init__(self, isolator: SlotIsolator, *, extra_degraded: Sequence[str] = ()) -> None:
+        self.isolator = isolator
+        self._extra_degraded = tuple(extra_degraded)
+
+    @property
+    def cgroup_mode(self) -> str:
+        return self.isolator.host.mode
+
+    def degraded(self) -> tuple[str, ...]:
+        host = self.isolator.host
+        reasons = list(self._extra_degraded)
+        if not host.can_write:
+            reasons.insert(
+                0, f"cgroups (mode {host.mode}) are not writable: no CPU, memory or device isolation"
+            )
+        return tuple(reasons)
+
+    def prepare(self) -> None:
+        self.isolator.ensure_hierarchy()
+
+    def apply(self, spec: SlotIsolationSpec) -> AppliedSlot:
+        return self.isolator.apply(spec)
+
+    def exists(self, applied: AppliedSlot) -> bool:
+        return open_manager(self.isolator.host, applied.cgroup).exists()
+
+    def release(self, slot_id: str) -> None:
+        self.isolator.release(slot_id)
+
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
+        removed = self.isolator.remove_orphans(keep)
+        return (
+            [f"cgroup {path}" for path in removed.cgroups.values()]
+            + [f"netns {name}" for name in removed.network.netns]
+            + [f"veth {name}" for name in removed.network.host_veths]
+            + [f"resctrl group {name}" for name in removed.resctrl_groups]
+        )
+
+
+class NoIsolation:
+    """:class:`IsolationBackend` of a host that cannot isolate: bookkeeping only, workers run unconfined."""
+
+    def __init__(self, reasons: Sequence[str], cgroup_mode: str = "none") -> None:
+        self._reasons = tuple(reasons)
+        self._mode = cgroup_mode
+
+    @property
+    def cgroup_mode(self) -> str:
+        return self._mode
+
+    def degraded(self) -> tuple[str, ...]:
+        return self._reasons
+
+    def prepare(self) -> None:
+        return None
+
+    def apply(self, spec: SlotIsolationSpec) -> None:
+        return None
+
+    def exists(self, applied: AppliedSlot) -> bool:
+        return True
+
+    def release(self, slot_id: str) -> None:
+        return None
+
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
+        return []
+
+
+__all__ = ["IsolationBackend", "KernelIsolation", "NoIsolation"]
