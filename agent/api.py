@@ -54,7 +54,7 @@ from typing import Annotated, Any, Literal, cast
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,13 +73,9 @@ from nodeagent.errors import (
     PlacementError,
     Unsupported,
 )
-from nodeagent.schema.request import (
-    MAX_BANDWIDTH_MBIT,
-    MAX_CPUS,
-    MAX_DEVICES,
-    MAX_MEMORY_BYTES,
-    NAME_PATTERN,
-)
+from nodeagent.schema.errors import describe_errors
+from nodeagent.schema.request import NAME_PATTERN, Resize, SlotRequest
+from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -133,103 +129,6 @@ def error_response(
 
 
 # --------------------------------------------------------------------------- request/response models
-
-
-class _Strict(BaseModel):
-    # strict: no silent coercion ("2" is not 2, true is not 1); forbid: unknown fields are errors;
-    # NaN and Infinity (which Python's JSON parser accepts) are never a resource amount.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class NetworkModel(_Strict):
-    bandwidth_mbit: int | None = Field(
-        default=None,
-        description="Egress shaping of the slot's network namespace, in Mbit/s.",
-        json_schema_extra={"minimum": 1, "maximum": MAX_BANDWIDTH_MBIT},
-    )
-
-
-_MAXIMUM = {"cpus": MAX_CPUS, "gpu_share": 1, "memory": MAX_MEMORY_BYTES}
-
-
-class ResourcesModel(_Strict):
-    """What a slot asks for. Omitted fields take their defaults."""
-
-    cpus: int | float | str = Field(
-        default=0,
-        description="CPUs. Guaranteed slots: a whole number of exclusive CPUs (whole physical cores). "
-        'Burstable and best-effort: a quota on the shared pool, with up to 3 decimals or "500m".',
-        json_schema_extra={"minimum": 0, "maximum": MAX_CPUS},
-    )
-    memory: int | str = Field(
-        default=0,
-        description='Memory limit: bytes, or a quantity such as "512Mi", "4Gi", "1G".',
-        json_schema_extra={"minimum": 0, "maximum": MAX_MEMORY_BYTES},
-    )
-    gpus: int = Field(
-        default=0,
-        description="Whole GPUs, or MIG instances when gpu_profile is set.",
-        json_schema_extra={"minimum": 0, "maximum": MAX_DEVICES},
-    )
-    gpu_profile: str | None = Field(default=None, description='A MIG profile such as "1g.10gb".')
-    gpu_share: int | float | str = Field(
-        default=0,
-        description="A fraction of one shareable GPU (0 to 1); not combined with gpus.",
-        json_schema_extra={"minimum": 0, "maximum": 1},
-    )
-    fpgas: int = Field(default=0, json_schema_extra={"minimum": 0, "maximum": MAX_DEVICES})
-    devices: list[str] = Field(
-        default_factory=list,
-        description="Device paths under /dev the slot may use (they must be in the agent's allow-list).",
-        json_schema_extra={"maxItems": MAX_DEVICES},
-    )
-    numa: Literal["single", "prefer", "none"] | None = Field(
-        default=None,
-        description="single: CPUs, memory and devices on one NUMA node (or refuse); prefer (default): "
-        "one node when possible; none: anywhere.",
-    )
-    network: NetworkModel | None = Field(default=None, description="null: no network namespace of its own.")
-    l3: float | None = Field(
-        default=None,
-        description="A share of the L3 cache (resctrl), above 0 and at most 1.",
-        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
-    )
-
-    @field_validator("cpus", "gpu_share", "memory")
-    @classmethod
-    def _in_range(cls, value: int | float | str, info: ValidationInfo) -> int | float | str:
-        # Bounded here too: a number such as 1e308 must never reach arithmetic that overflows.
-        maximum = _MAXIMUM[str(info.field_name)]
-        if isinstance(value, int | float) and not 0 <= value <= maximum:
-            raise ValueError(f"must be from 0 to {maximum}")
-        return value
-
-
-class ResourcesPatchModel(ResourcesModel):
-    """Only the fields given change; the others keep the slot's current values."""
-
-
-WORKER_DESCRIPTION = (
-    "A WorkerSpec: command (argv list), env, workdir, user/group, restart (never | on-failure | "
-    "always), readiness/liveness probes (http {port, path} | tcp {port} | exec {argv}), "
-    "stop_grace_seconds, and presets for known servers. Validated by the agent's runtime."
-)
-
-
-class SlotRequestModel(_Strict):
-    """A slot request. ``name`` is unique on the node and is the idempotency key."""
-
-    name: str = Field(
-        description="1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit.",
-        json_schema_extra={"pattern": SLOT_ID_PATTERN},
-    )
-    qos: Literal["guaranteed", "burstable", "best-effort"]
-    resources: ResourcesModel = Field(default_factory=ResourcesModel)
-    worker: dict[str, Any] | None = Field(default=None, description=WORKER_DESCRIPTION)
-
-
-class ResizeModel(_Strict):
-    resources: ResourcesPatchModel
 
 
 class SlotModel(BaseModel):
@@ -406,9 +305,9 @@ def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
             200: {"model": SlotModel, "description": "The same request again: the existing slot"},
         },
     )
-    def allocate(body: SlotRequestModel) -> JSONResponse:
+    def allocate(body: SlotRequest) -> JSONResponse:
         _require_ready(service)
-        result = service.allocate(body.model_dump(exclude_unset=True))
+        result = service.allocate(body)
         if not result.created:
             return _slot_json(result.slot)
         return _slot_json(result.slot, 201, {"Location": f"/v1/slots/{result.slot.id}"})
@@ -424,9 +323,9 @@ def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
         response_model=SlotModel,
         responses=_WRITE_ERRORS,
     )
-    def resize(slot_id: SlotId, body: ResizeModel) -> JSONResponse:
+    def resize(slot_id: SlotId, body: Resize) -> JSONResponse:
         _require_ready(service)
-        return _slot_json(service.resize(slot_id, body.resources.model_dump(exclude_unset=True)))
+        return _slot_json(service.resize(slot_id, body.resources))
 
     @app.delete(
         "/v1/slots/{slot_id}",
@@ -454,7 +353,7 @@ def _add_worker_routes(app: FastAPI, service: SlotService) -> None:
     )
     def start_worker(
         slot_id: SlotId,
-        spec: Annotated[dict[str, Any] | None, Body(description=WORKER_DESCRIPTION)] = None,
+        spec: Annotated[WorkerSpec | None, Body(description="The worker; none: the slot request's.")] = None,
     ) -> JSONResponse:
         _require_ready(service)
         return _slot_json(service.start_worker(slot_id, spec))
@@ -502,7 +401,16 @@ async def _on_agent_error(_request: Request, err: NodeAgentError) -> JSONRespons
     return error_response(status, err.code, str(err), headers)
 
 
-async def _on_validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+#: The body of each route that takes one: its model (to name the known fields when one is unknown)
+#: and what the service's own errors call it.
+_BODIES: dict[tuple[str, str], tuple[type[BaseModel], str]] = {
+    ("POST", "/v1/slots"): (SlotRequest, "request"),
+    ("PATCH", "/v1/slots/{slot_id}"): (Resize, "resize"),
+    ("POST", "/v1/slots/{slot_id}/worker"): (WorkerSpec, "worker spec"),
+}
+
+
+async def _on_validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
     problems = list(err.errors())
     if any(p.get("type") == "json_invalid" for p in problems):
         return error_response(400, "malformed_json", "the body is not valid JSON; send a JSON object")
@@ -511,7 +419,8 @@ async def _on_validation_error(_request: Request, err: RequestValidationError) -
         return error_response(
             415, "unsupported_media_type", "send the body as JSON with 'Content-Type: application/json'"
         )
-    return error_response(422, "invalid_request", describe_validation_errors(problems))
+    body = _BODIES.get((request.method, _route_template(request.scope)))
+    return error_response(422, "invalid_request", describe_validation_errors(problems, body))
 
 
 async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -529,41 +438,17 @@ async def _on_unexpected(_request: Request, err: Exception) -> JSONResponse:
     return error_response(500, "internal", "internal error in the agent; see its log")
 
 
-def describe_validation_errors(problems: Sequence[Mapping[str, Any]], limit: int = 3) -> str:
-    """One line naming each bad field: ``body.resources.cpus: must be from 0 to 16384 (got 1e+308)``.
-
-    A value that matches no member of a union (``int | float | str``) gives one error per member;
-    those are merged into one entry per field.
-    """
-    merged: dict[tuple[str, str], list[str]] = {}
-    for p in problems:
-        loc = [str(x) for x in p.get("loc", ()) if not str(x).startswith("function-")]
-        shown = (
-            _shown(p["input"]) if "input" in p and p.get("type") not in ("missing", "extra_forbidden") else ""
-        )
-        where = ".".join(loc)
-        if len(loc) > 1 and _is_union_member(loc[-1]) and shown:
-            where = ".".join(loc[:-1])
-        merged.setdefault((where, shown), []).append(
-            str(p.get("msg", "invalid")).removeprefix("Value error, ")
-        )
-    parts = []
-    for (where, shown), messages in list(merged.items())[:limit]:
-        text = f"{where}: {' or '.join(dict.fromkeys(messages))}"
-        parts.append(f"{text} (got {shown})" if shown else text)
-    if len(merged) > limit:
-        parts.append(f"and {len(merged) - limit} more")
-    return "; ".join(parts)
-
-
-def _is_union_member(tag: str) -> bool:
-    """pydantic tags errors inside a union with the member's type: int, float, str, literal[...], a model."""
-    return tag in ("int", "float", "str", "bool", "none") or tag.startswith("literal[") or tag[:1].isupper()
-
-
-def _shown(value: Any) -> str:
-    text = json.dumps(value, default=repr) if not isinstance(value, bytes) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def describe_validation_errors(
+    problems: Sequence[Mapping[str, Any]], body: tuple[type[BaseModel], str] | None = None, limit: int = 3
+) -> str:
+    """One line naming each bad field. Problems in the body read as the service's own refusals do
+    (``request: resources.cpus: 1e+308 is out of range; ...``), with the known fields (and the
+    closest) for an unknown one; others keep their place (``query.lines: must be at most 10000``)."""
+    if body is not None and all(tuple(p.get("loc", ()))[:1] == ("body",) for p in problems):
+        model, what = body
+        inside = [{**p, "loc": tuple(p["loc"])[1:]} for p in problems]
+        return f"{what}: {describe_errors(inside, model, limit)}"
+    return describe_errors(problems, None, limit)
 
 
 # --------------------------------------------------------------------------- middleware

@@ -14,12 +14,13 @@ file, so a typo never silently falls back to a default. docs/configuration.md li
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
 import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,7 @@ def parse_config(data: Mapping[str, Any], source: str | None = None) -> AgentCon
         if name not in _SECTIONS:
             raise ConfigError(
                 f"{_where(source, name)}: unknown section; known sections: {', '.join(sorted(_SECTIONS))}"
+                + _closest(name, _SECTIONS)
             )
         if not isinstance(value, dict):
             raise ConfigError(f"{_where(source, name)} must be a table ([{name}])")
@@ -346,10 +348,15 @@ def _section(cls: type[Any], name: str, values: Mapping[str, Any], source: str |
         if key not in fields:
             raise ConfigError(
                 f"{_where(source, f'{name}.{key}')}: unknown key; known keys in [{name}]: "
-                f"{', '.join(sorted(fields))}"
+                f"{', '.join(sorted(fields))}{_closest(key, fields)}"
             )
         kwargs[key] = _convert(value, str(fields[key].type), f"{name}.{key}", source)
     return cls(**kwargs)
+
+
+def _closest(given: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(given, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def load_config(path: Path | None = None) -> AgentConfig:

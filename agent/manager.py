@@ -49,7 +49,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,11 +71,12 @@ from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.devices import assigned_device_nodes
 from nodeagent.isolation.spec import SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.runtime.env import SlotDescription
-from nodeagent.runtime.spec import WorkerSpec, parse_worker_spec
+from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import Readoption, WorkerRuntime
-from nodeagent.schema.request import parse_slot_request, request_to_dict
+from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch
+from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.manager")
 
@@ -129,7 +130,7 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
     )
     return SlotIsolationSpec(
         slot_id=slot.id,
-        qos=slot.request.qos,  # type: ignore[arg-type]  # the request's parser checked it
+        qos=slot.request.qos,
         cpus=frozenset(a.cpus),
         exclusive=a.exclusive,
         mems=frozenset(a.numa_nodes) if a.memory_by_node else None,
@@ -282,10 +283,9 @@ class SlotManager:
 
     # ------------------------------------------------------------------ SlotService: allocate
 
-    def allocate(self, request: Mapping[str, Any]) -> AllocateResult:
-        req = parse_slot_request(request)
+    def allocate(self, req: SlotRequest) -> AllocateResult:
         if req.worker is not None:
-            parse_worker_spec(req.worker)  # refuse a bad worker before anything is placed
+            resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
         self._check_isolation()
         with self._lock:
             existing = self._store.find_slot(req.name)
@@ -366,16 +366,12 @@ class SlotManager:
 
     # ------------------------------------------------------------------ SlotService: resize
 
-    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> Slot:
-        if not isinstance(resources, Mapping):
-            raise InvalidRequest('resize: resources must be an object such as {"cpus": 4}')
+    def resize(self, slot_id: str, patch: ResourceChanges) -> Slot:
         with self._lock:
             slot = self._slot(slot_id)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; only ready or running slots resize")
-            body = request_to_dict(slot.request)
-            body["resources"] = {**body["resources"], **dict(resources)}
-            new_request = parse_slot_request(body)
+            new_request = apply_patch(slot.request, patch)
             old = _assignment(slot)
             without = self._ledger.remove(old)
             new = plan(self._topology, without, new_request, self._options)
@@ -429,28 +425,27 @@ class SlotManager:
 
     # ------------------------------------------------------------------ SlotService: workers
 
-    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> Slot:
+    def start_worker(self, slot_id: str, spec: WorkerSpec | None) -> Slot:
         with self._lock:
             slot = self._slot(slot_id)
             body = spec if spec is not None else slot.request.worker
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
-            parse_worker_spec(body)
+            resolve(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             current = self._loop.get(slot.id)
             if current is not None and current.phase in ALIVE_PHASES:
                 stored = self._store.get_worker(slot.id)
-                if stored is not None and dict(stored.spec) == dict(body):
+                if stored is not None and stored.spec == body:
                     return self._view(slot)
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             self._start_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
 
-    def _start_worker(self, slot: Slot, body: Mapping[str, Any]) -> None:
-        spec = parse_worker_spec(body)
-        self._store.put_worker(Worker(slot_id=slot.id, spec=dict(body), desired="running"))
+    def _start_worker(self, slot: Slot, spec: WorkerSpec) -> None:
+        self._store.put_worker(Worker(slot_id=slot.id, spec=spec, desired="running"))
         supervisor = self._make_supervisor(slot, spec)
         supervisor.start()
         self._loop.add(slot.id, supervisor)
@@ -472,7 +467,8 @@ class SlotManager:
         return self.get_slot(slot_id)
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
-        return self._runtime.supervisor(slot_description(slot, self._shared_pool()), slot.applied, spec)
+        description = slot_description(slot, self._shared_pool())
+        return self._runtime.supervisor(description, slot.applied, resolve(spec))
 
     # ------------------------------------------------------------------ supervision
 
@@ -572,7 +568,7 @@ class SlotManager:
         if worker is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
             return
         try:
-            supervisor = self._make_supervisor(slot, parse_worker_spec(worker.spec))
+            supervisor = self._make_supervisor(slot, worker.spec)
         except (InvalidRequest, WorkerError) as err:
             self._store.add_event("worker", f"cannot supervise the stored worker: {err}", slot.id)
             return

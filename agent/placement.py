@@ -1732,7 +1732,7 @@ def count_fits(
     shape = (
         request_shape if isinstance(request_shape, SlotRequest) else parse_slot_request(dict(request_shape))
     )
-    shape = replace(shape, name="fit")  # the name only words reasons and refusals
+    shape = shape.model_copy(update={"name": "fit"})  # the name only words reasons and refusals
     planner_options = options or PlacementOptions()
     ledger = allocated
     for count in range(limit):

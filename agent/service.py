@@ -12,12 +12,14 @@ KernelError/WorkerError (500/503). The API maps ``err.code`` and the class onto 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import Topology
+from nodeagent.schema.request import ResourceChanges, SlotRequest
+from nodeagent.schema.worker import WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,21 @@ class SlotService(Protocol):
         """By id or by name; NotFound otherwise."""
         ...
 
-    def allocate(self, request: Mapping[str, Any]) -> AllocateResult:
-        """A SlotRequest as decoded JSON (validated here); idempotent by name, Conflict (409) when
-        the name exists with a different request, PlacementError when it does not fit."""
+    def allocate(self, request: SlotRequest) -> AllocateResult:
+        """Idempotent by name: Conflict (409) when the name exists with a different request,
+        PlacementError when it does not fit."""
         ...
 
-    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> Slot:
-        """Change a slot's resources in place (a partial ``resources`` object)."""
+    def resize(self, slot_id: str, patch: ResourceChanges) -> Slot:
+        """Change a slot's resources in place (the fields ``patch`` names; the others stay)."""
         ...
 
     def release(self, slot_id: str) -> None:
         """Stop its worker, remove its kernel objects, free its resources. NotFound if unknown."""
         ...
 
-    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> Slot:
-        """Start the slot's worker (``spec`` as JSON, or None for the one in its request)."""
+    def start_worker(self, slot_id: str, spec: WorkerSpec | None) -> Slot:
+        """Start the slot's worker (``spec``, or None for the one in its request)."""
         ...
 
     def stop_worker(self, slot_id: str) -> Slot: ...

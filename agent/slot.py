@@ -13,7 +13,6 @@ or ``failed`` with a reason (then it holds no resources and no kernel objects).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +20,8 @@ from nodeagent.agent.placement import Assignment
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.supervisor import WorkerStatus
-from nodeagent.schema.request import SlotRequest, request_to_dict
+from nodeagent.schema.request import QoS, SlotRequest, request_to_dict
+from nodeagent.schema.worker import WorkerSpec
 
 
 class SlotState(enum.StrEnum):
@@ -55,7 +55,7 @@ class Slot:
     worker: WorkerStatus | None = None
 
     @property
-    def qos(self) -> str:
+    def qos(self) -> QoS:
         return self.request.qos
 
     @property
@@ -91,11 +91,11 @@ class Slot:
 
 @dataclass(frozen=True)
 class Worker:
-    """A slot's worker as stored: its spec (the client's JSON, presets not yet applied), what the
-    operator wants of it, and its last known status."""
+    """A slot's worker as stored: its spec (the client's, presets not yet applied), what the operator
+    wants of it, and its last known status."""
 
     slot_id: str
-    spec: Mapping[str, Any]
+    spec: WorkerSpec
     desired: Desired = "running"
     status: WorkerStatus | None = None
     updated_at: float = 0.0

@@ -36,6 +36,7 @@ from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
+from nodeagent.schema.worker import parse_worker_spec
 
 
 class StateError(NodeAgentError):
@@ -390,7 +391,7 @@ def _status_columns(status: WorkerStatus) -> dict[str, Any]:
 def _worker_row(worker: Worker) -> tuple[Any, ...]:
     columns: dict[str, Any] = {
         "slot_id": worker.slot_id,
-        "spec": _dump(dict(worker.spec)),
+        "spec": _dump(worker.spec.model_dump(mode="json", exclude_unset=True)),
         "desired": worker.desired,
         "keeper_pid": None,
         "worker_pid": None,
@@ -411,7 +412,7 @@ def _worker_from_row(row: tuple[Any, ...]) -> Worker:
     desired = values["desired"]
     return Worker(
         slot_id=values["slot_id"],
-        spec=_load(values["spec"]),
+        spec=parse_worker_spec(_load(values["spec"])),
         desired="stopped" if desired == "stopped" else "running",
         status=None if status is None else WorkerStatus.from_json(status),
         updated_at=values["updated_at"],

@@ -54,6 +54,7 @@ from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.schema.request import parse_slot_request
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}b.slice"
@@ -127,7 +128,7 @@ def time_pairs(runs: int, allocate: Callable[[str], str], release: Callable[[str
 
 def in_process_pairs(manager: SlotManager, runs: int) -> PairTimes:
     def allocate(name: str) -> str:
-        return manager.allocate({"name": name, **PAIR_REQUEST}).slot.id
+        return manager.allocate(parse_slot_request({"name": name, **PAIR_REQUEST})).slot.id
 
     return time_pairs(runs, allocate, manager.release)
 
@@ -345,7 +346,7 @@ def profile_ticks(state_dir: Path, slots: int, ticks: int = 20) -> str:
         before = tracemalloc.take_snapshot()
         for i in range(slots):
             body = {"name": f"prof-{i}", "qos": "best-effort", "resources": {"cpus": 0.01, "memory": "8Mi"}}
-            manager.allocate({**body, "worker": IDLE_WORKER})
+            manager.allocate(parse_slot_request({**body, "worker": IDLE_WORKER}))
         manager.tick()
         growth = tracemalloc.take_snapshot().compare_to(before, "filename")
         tracemalloc.stop()

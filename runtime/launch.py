@@ -19,7 +19,7 @@ from pathlib import Path
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spec import WorkerSpec
+from nodeagent.schema.worker import WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,10 @@ def build_launch_request(
     spec: WorkerSpec, slot: SlotDescription, binding: SlotBinding, worker_dir: Path
 ) -> LaunchRequest:
     """Lay out ``worker_dir``, write the slot file and return the request the spawner carries out."""
+    if not spec.command:
+        raise InvalidRequest(
+            "worker spec: command is missing; give the worker's argv or a preset that knows it"
+        )
     identity = resolve_identity(spec)
     slot_file = write_slot_file(slot, worker_dir / "slot.json")
     tmpdir = worker_dir / "tmp"

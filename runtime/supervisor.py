@@ -39,7 +39,7 @@ from nodeagent.runtime.process import (
 )
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.spawner import Spawner
-from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
+from nodeagent.schema.worker import Probe, ProbeKind, RestartPolicy, WorkerSpec
 
 #: How long kill_all may take after the grace period (or after an exit, for leftovers).
 KILL_TIMEOUT_SECONDS = 5.0

@@ -29,8 +29,8 @@ from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
 from nodeagent.runtime.logs import tail
 from nodeagent.runtime.spawner import Spawner
-from nodeagent.runtime.spec import WorkerSpec
 from nodeagent.runtime.supervisor import SlotCgroup, SpawnerLauncher, Supervisor
+from nodeagent.schema.worker import WorkerSpec
 
 
 class Readoption(enum.StrEnum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,7 +22,8 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
-from nodeagent.schema.request import parse_slot_request, request_to_dict
+from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch, request_to_dict
+from nodeagent.schema.worker import WorkerSpec
 
 
 @dataclass
@@ -85,9 +86,9 @@ class FakeSlotService:
 
     # --- changes
 
-    def allocate(self, request: Mapping[str, Any]) -> AllocateResult:
-        parsed = parse_slot_request(dict(request))
-        self.calls.append(("allocate", dict(request)))
+    def allocate(self, request: SlotRequest) -> AllocateResult:
+        parsed = request
+        self.calls.append(("allocate", request_to_dict(request)))
         with self._lock:
             existing = self._by_name(parsed.name)
             if existing is not None:
@@ -114,13 +115,11 @@ class FakeSlotService:
         self._changed()
         return AllocateResult(view, created=True)
 
-    def resize(self, slot_id: str, resources: Mapping[str, Any]) -> Slot:
-        self.calls.append(("resize", (slot_id, dict(resources))))
+    def resize(self, slot_id: str, patch: ResourceChanges) -> Slot:
+        self.calls.append(("resize", (slot_id, patch.changes())))
         with self._lock:
             slot = self._find(slot_id)
-            merged = request_to_dict(slot.view.request)
-            merged["resources"] = {**merged["resources"], **resources}
-            parsed = parse_slot_request(merged)
+            parsed = apply_patch(slot.view.request, patch)
             others = Allocated.from_assignments(s.assignment for s in self._slots.values() if s is not slot)
             assignment = plan(self._topology, others, parsed)
             slot.assignment = assignment
@@ -136,8 +135,9 @@ class FakeSlotService:
             del self._slots[slot.view.id]
         self._changed()
 
-    def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None) -> Slot:
-        self.calls.append(("start_worker", (slot_id, spec)))
+    def start_worker(self, slot_id: str, spec: WorkerSpec | None) -> Slot:
+        body = None if spec is None else spec.model_dump(mode="json", exclude_unset=True)
+        self.calls.append(("start_worker", (slot_id, body)))
         with self._lock:
             slot = self._find(slot_id)
             if self.fail_worker_start:
@@ -146,8 +146,6 @@ class FakeSlotService:
                 raise InvalidRequest(
                     f"slot {slot.view.id} has no worker in its request; send a WorkerSpec in the body"
                 )
-            if spec is not None and not isinstance(spec.get("command"), list):
-                raise InvalidRequest("worker: command must be a list of strings (argv)")
             worker = WorkerStatus(Phase.RUNNING, 4242, 2, 0, None, None, "started")
             slot.view = replace(slot.view, state=SlotState.RUNNING, worker=worker, updated_at=time.time())
             return slot.view

@@ -15,7 +15,7 @@ from nodeagent.agent.api import create_app, describe_validation_errors
 from nodeagent.agent.metrics import Metrics
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from nodeagent.errors import KernelError
-from nodeagent.schema.request import NUMA_POLICIES, QOS_CLASSES
+from nodeagent.schema.request import NUMA_POLICIES, QOS_CLASSES, SlotRequest
 from tests.agent.fake_service import FakeSlotService
 
 TOKEN = "natest-token-0123456789"
@@ -238,8 +238,8 @@ HOSTILE_BODIES = [
     pytest.param(_slot(devices=["/dev/../etc/passwd"]), 422, "devices", id="device-path-escape"),
     pytest.param(_slot(devices=["/dev/natest-nope"]), 409, "/dev/natest-nope", id="device-unknown"),
     pytest.param(_slot(cpus=64), 409, "64", id="does-not-fit"),
-    pytest.param([GUARANTEED], 422, "body", id="array"),
-    pytest.param("guaranteed", 422, "body", id="string"),
+    pytest.param([GUARANTEED], 422, "request: must be an object", id="array"),
+    pytest.param("guaranteed", 422, "request: must be an object", id="string"),
 ]
 
 
@@ -419,17 +419,32 @@ def test_validation_errors_for_a_union_are_merged_into_one_line() -> None:
         },
         {"loc": ("body", "name"), "msg": "Field required", "input": {}, "type": "missing"},
     ]
-    assert describe_validation_errors(problems) == (
-        "body.resources.cpus: Input should be a valid integer or Input should be a finite number (got null); "
-        "body.name: Field required"
+    assert describe_validation_errors(problems, (SlotRequest, "request")) == (
+        "request: resources.cpus: must be a whole number, got null or input should be a finite number "
+        "(got null); name is missing"
     )
+
+
+def test_an_unknown_field_is_answered_with_the_known_ones_and_the_closest() -> None:
+    app = create_app(FakeSlotService(), token=TOKEN)
+    body = {"name": "a", "qos": "burstable", "resources": {"cpu": 1}}
+    response = asyncio.run(_post(app, "/v1/slots", body))
+    assert response.status_code == 422
+    message = response.json()["error"]["message"]
+    assert message.startswith("request: resources.cpu: unknown field; known fields: cpus, memory")
+    assert message.endswith("did you mean 'cpus'?")
+
+
+async def _post(app: FastAPI, path: str, body: Any) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://agent", headers=AUTH) as c:
+        return await c.post(path, json=body)
 
 
 def test_request_models_spell_out_the_parsers_choices() -> None:
     schema = create_app(FakeSlotService(), token=TOKEN).openapi()["components"]["schemas"]
-    assert tuple(schema["SlotRequestModel"]["properties"]["qos"]["enum"]) == QOS_CLASSES
-    numa = schema["ResourcesModel"]["properties"]["numa"]["anyOf"][0]["enum"]
-    assert tuple(numa) == NUMA_POLICIES
+    assert tuple(schema["SlotRequest"]["properties"]["qos"]["enum"]) == QOS_CLASSES
+    assert tuple(schema["Resources"]["properties"]["numa"]["enum"]) == NUMA_POLICIES
 
 
 # --------------------------------------------------------------------------- metrics

@@ -89,7 +89,7 @@ def test_show_prints_the_worker_status(agent: Agent) -> None:
             id="spec-file-missing",
         ),
         pytest.param(
-            ["start", "s1", "--spec", '{"command": "sleep 1"}'], "command must be a list", id="bad-spec"
+            ["start", "s1", "--spec", '{"command": "sleep 1"}'], "command: must be a list", id="bad-spec"
         ),
         pytest.param(["stop", "natest-none"], "no slot with id or name 'natest-none'", id="stop-unknown"),
         pytest.param(["start", "../x"], "'../x' is not a slot id or name", id="dotdot-id"),

@@ -85,7 +85,9 @@ def test_refusal_is_one_line_on_stderr(topology_file: Path) -> None:
             id="bad-bool",
         ),
         pytest.param(("--request", "{not json"), "--request is not valid JSON", id="bad-request-json"),
-        pytest.param(("--request", '{"name": "a"}'), "request: qos must be one of", id="invalid-request"),
+        pytest.param(
+            ("--request", '{"name": "a"}'), "request: qos is missing; use one of", id="invalid-request"
+        ),
         pytest.param(
             ("--allocated", "/nonexistent/alloc.json"),
             "allocated file /nonexistent/alloc.json does not exist",

@@ -25,9 +25,10 @@ from nodeagent.isolation.spec import SlotIsolationSpec
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spec import WorkerSpec
 from nodeagent.runtime.supervisor import Supervisor
 from nodeagent.runtime.workers import Readoption
+from nodeagent.schema.request import ResourcesPatch, parse_slot_request
+from nodeagent.schema.worker import WorkerSpec, parse_worker_spec
 
 TOPOLOGY = synthetic_topology(sockets=1, numa_per_socket=2, cores_per_numa=4, threads_per_core=2)
 WORKER = {"command": ["/bin/sleep", "1000"], "restart": "always"}
@@ -273,7 +274,7 @@ def held_cpus(manager: SlotManager) -> list[int]:
 
 def test_allocate_applies_isolation_and_records_ready(make: Any, world: World) -> None:
     manager = make()
-    result = manager.allocate(guaranteed())
+    result = manager.allocate(parse_slot_request(guaranteed()))
     assert result.created
     slot = result.slot
     assert slot.state is SlotState.READY
@@ -287,19 +288,19 @@ def test_allocate_applies_isolation_and_records_ready(make: Any, world: World) -
 
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
     manager = make()
-    first = manager.allocate(guaranteed())
-    again = manager.allocate(guaranteed())
+    first = manager.allocate(parse_slot_request(guaranteed()))
+    again = manager.allocate(parse_slot_request(guaranteed()))
     assert not again.created
     assert again.slot.id == first.slot.id
     with pytest.raises(Conflict, match="different request"):
-        manager.allocate(guaranteed(cpus=4))
+        manager.allocate(parse_slot_request(guaranteed(cpus=4)))
     assert len(manager.list_slots()) == 1
 
 
 def test_placement_refusal_changes_nothing(make: Any, world: World) -> None:
     manager = make()
     with pytest.raises(PlacementError):
-        manager.allocate(guaranteed(cpus=64))
+        manager.allocate(parse_slot_request(guaranteed(cpus=64)))
     assert manager.list_slots() == []
     assert world.cgroups == {}
 
@@ -315,7 +316,7 @@ def test_placement_refusal_changes_nothing(make: Any, world: World) -> None:
 def test_invalid_requests_are_refused_before_placement(make: Any, body: dict[str, Any]) -> None:
     manager = make()
     with pytest.raises(InvalidRequest):
-        manager.allocate(body)
+        manager.allocate(parse_slot_request(body))
     assert manager.list_slots() == []
 
 
@@ -323,16 +324,16 @@ def test_isolation_failure_rolls_back_and_frees_resources(make: Any, world: Worl
     manager = make()
     world.fail_apply.add("web")
     with pytest.raises(CgroupError):
-        manager.allocate(guaranteed(cpus=8))
+        manager.allocate(parse_slot_request(guaranteed(cpus=8)))
     failed = manager.get_slot("web")
     assert failed.state is SlotState.FAILED
     assert "isolation failed" in (failed.reason or "")
     assert world.cgroups == {}
     # The failed slot holds nothing: the same CPUs go to another slot, and a retry replaces it.
-    assert manager.allocate(guaranteed("other", cpus=8)).created
+    assert manager.allocate(parse_slot_request(guaranteed("other", cpus=8))).created
     manager.release("other")
     world.fail_apply.clear()
-    assert manager.allocate(guaranteed(cpus=8)).slot.state is SlotState.READY
+    assert manager.allocate(parse_slot_request(guaranteed(cpus=8))).slot.state is SlotState.READY
 
 
 def test_a_rollback_that_cannot_remove_the_cgroup_keeps_its_cpus(make: Any, world: World) -> None:
@@ -340,18 +341,18 @@ def test_a_rollback_that_cannot_remove_the_cgroup_keeps_its_cpus(make: Any, worl
     world.fail_apply_late.add("web")
     world.fail_release = True
     with pytest.raises(CgroupError):
-        manager.allocate(guaranteed(cpus=8))
+        manager.allocate(parse_slot_request(guaranteed(cpus=8)))
     stuck = manager.get_slot("web")
     assert stuck.state is SlotState.RELEASING
     assert "removing its kernel objects failed too" in (stuck.reason or "")
     assert stuck.id in world.cgroups
     # Its CPUs are still in a cgroup, so they are not free: a slot wanting every CPU is refused.
     with pytest.raises(PlacementError):
-        manager.allocate(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2))
+        manager.allocate(parse_slot_request(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2)))
     world.fail_release = False
     manager.release("web")  # DELETE retries the release
     assert world.cgroups == {}
-    assert manager.allocate(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2)).created
+    assert manager.allocate(parse_slot_request(guaranteed("big", cpus=len(TOPOLOGY.cpus) - 2))).created
 
 
 def test_no_cpu_is_handed_out_twice(make: Any) -> None:
@@ -359,7 +360,7 @@ def test_no_cpu_is_handed_out_twice(make: Any) -> None:
 
     def fill() -> None:
         for n in range(len(TOPOLOGY.cpus)):
-            manager.allocate(guaranteed(f"s{n}", cpus=2))
+            manager.allocate(parse_slot_request(guaranteed(f"s{n}", cpus=2)))
 
     with pytest.raises(PlacementError):  # fill the host until placement says no
         fill()
@@ -375,7 +376,7 @@ def test_degraded_kernel_refuses_allocation(tmp_path: Path, world: World) -> Non
     try:
         assert manager.node().degraded == ("cgroups are read-only: not root",)
         with pytest.raises(Unsupported, match="allow_unisolated"):
-            manager.allocate(guaranteed())
+            manager.allocate(parse_slot_request(guaranteed()))
     finally:
         manager.close()
 
@@ -387,7 +388,7 @@ def test_degraded_kernel_with_unisolated_allowed(tmp_path: Path, world: World) -
     )
     manager.start(supervise=False)
     try:
-        slot = manager.allocate(guaranteed()).slot
+        slot = manager.allocate(parse_slot_request(guaranteed())).slot
         assert slot.state is SlotState.READY
         assert slot.cgroup is None
     finally:
@@ -401,7 +402,7 @@ def test_release_stops_the_worker_and_removes_everything(make: Any, world: World
     manager = make()
     events: list[int] = []
     manager.subscribe(lambda: events.append(1))
-    slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
+    slot = manager.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot
     assert slot.worker is not None
     assert slot.worker.phase == "running"
     assert manager.get_slot(slot.id).state is SlotState.RUNNING
@@ -418,33 +419,33 @@ def test_release_stops_the_worker_and_removes_everything(make: Any, world: World
 
 def test_resize_replans_and_reapplies(make: Any, world: World) -> None:
     manager = make()
-    slot = manager.allocate(guaranteed(cpus=2)).slot
-    resized = manager.resize(slot.id, {"cpus": 4})
+    slot = manager.allocate(parse_slot_request(guaranteed(cpus=2))).slot
+    resized = manager.resize(slot.id, ResourcesPatch.model_validate({"cpus": 4}))
     assert resized.assignment is not None
     assert len(list(resized.assignment.cpus)) == 4
     assert world.cgroups[slot.id]["cpus"] == list(resized.assignment.cpus)
     assert resized.request.resources.cpus == 4
     with pytest.raises(PlacementError):
-        manager.resize(slot.id, {"cpus": 64})
+        manager.resize(slot.id, ResourcesPatch.model_validate({"cpus": 64}))
     assert manager.get_slot(slot.id).assignment == resized.assignment
 
 
 def test_resize_rolls_back_when_isolation_fails(make: Any, world: World) -> None:
     manager = make()
-    slot = manager.allocate(guaranteed(cpus=2)).slot
+    slot = manager.allocate(parse_slot_request(guaranteed(cpus=2))).slot
     world.fail_apply.add("web")
     with pytest.raises(CgroupError):
-        manager.resize(slot.id, {"cpus": 4})
+        manager.resize(slot.id, ResourcesPatch.model_validate({"cpus": 4}))
     assert manager.get_slot(slot.id).assignment == slot.assignment
     assert len(held_cpus(manager)) == 2
 
 
 def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     manager = make()
-    slot = manager.allocate(guaranteed()).slot
+    slot = manager.allocate(parse_slot_request(guaranteed())).slot
     with pytest.raises(InvalidRequest, match="no worker"):
         manager.start_worker(slot.id, None)
-    view = manager.start_worker(slot.id, {"command": ["/bin/true"], "restart": "never"})
+    view = manager.start_worker(slot.id, parse_worker_spec({"command": ["/bin/true"], "restart": "never"}))
     assert view.state is SlotState.RUNNING
     world.processes[slot.id].exit = ExitRecord(1, None, False, 0.0, "exited")
     manager.tick()
@@ -458,7 +459,7 @@ def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
 
 def test_stop_worker(make: Any, world: World) -> None:
     manager = make()
-    slot = manager.allocate({**guaranteed(), "worker": WORKER}).slot
+    slot = manager.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot
     view = manager.stop_worker(slot.id)
     assert view.worker is not None
     assert view.worker.phase == "stopped"
@@ -492,7 +493,7 @@ def test_reconcile_finishes_a_pending_slot(tmp_path: Path, make: Any, world: Wor
     assert manager.get_slot("sa").state is SlotState.READY
     assert "sa" in world.cgroups
     assert manager.ready()
-    again = manager.allocate(guaranteed("web"))  # the client's retry finds it
+    again = manager.allocate(parse_slot_request(guaranteed("web")))  # the client's retry finds it
     assert (again.created, again.slot.id) == (False, "sa")
 
 
@@ -541,7 +542,7 @@ def test_reconcile_recreates_a_vanished_cgroup(tmp_path: Path, make: Any, world:
 
 def test_restart_readopts_a_live_worker(make: Any, world: World) -> None:
     first = make()
-    slot = first.allocate({**guaranteed(), "worker": WORKER}).slot
+    slot = first.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot
     pid = world.processes[slot.id].pid
     first.close()  # the agent goes away; the worker does not
     second = make()
@@ -554,7 +555,7 @@ def test_restart_readopts_a_live_worker(make: Any, world: World) -> None:
 
 def test_restart_applies_the_restart_policy_to_a_dead_worker(make: Any, world: World) -> None:
     first = make()
-    slot = first.allocate({**guaranteed(), "worker": WORKER}).slot
+    slot = first.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot
     first.close()
     world.processes[slot.id].exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
     second = make()
@@ -568,7 +569,7 @@ def test_restart_applies_the_restart_policy_to_a_dead_worker(make: Any, world: W
 def test_restart_launches_a_worker_that_was_never_launched(tmp_path: Path, make: Any, world: World) -> None:
     crash_with(tmp_path, planned("web", "ready", "sa"))
     store = StateStore(tmp_path / "state.db")
-    store.put_worker(Worker(slot_id="sa", spec=WORKER))
+    store.put_worker(Worker(slot_id="sa", spec=parse_worker_spec(WORKER)))
     store.close()
     world.cgroups["sa"] = {"cgroup": "test.slice/sa", "cpus": []}
     manager = make()
@@ -578,12 +579,12 @@ def test_restart_launches_a_worker_that_was_never_launched(tmp_path: Path, make:
 
 def test_ledger_is_rebuilt_from_the_database(tmp_path: Path, make: Any) -> None:
     first = make()
-    first.allocate(guaranteed("a", cpus=4))
+    first.allocate(parse_slot_request(guaranteed("a", cpus=4)))
     first.close()
     second = make()
     cpus_a = second.get_slot("a").assignment
     assert cpus_a is not None
-    b = second.allocate(guaranteed("b", cpus=4)).slot
+    b = second.allocate(parse_slot_request(guaranteed("b", cpus=4))).slot
     assert b.assignment is not None
     assert not set(cpus_a.cpus) & set(b.assignment.cpus)
     capacity = second.capacity()

@@ -17,6 +17,7 @@ from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.schema.request import parse_slot_request
 
 pytestmark = pytest.mark.root
 
@@ -58,7 +59,7 @@ def alive(pid: int) -> bool:
 
 def test_allocate_readopt_release_on_the_real_kernel(config: object) -> None:
     first = make(config)
-    slot = first.allocate(REQUEST).slot
+    slot = first.allocate(parse_slot_request(REQUEST)).slot
     assert slot.state is SlotState.RUNNING
     assert slot.assignment is not None
     assert slot.cgroup == f"{PARENT}/{slot.id}"
@@ -100,7 +101,7 @@ def test_allocate_readopt_release_on_the_real_kernel(config: object) -> None:
 
 def test_orphan_cgroup_is_removed_on_start(config: object) -> None:
     first = make(config)
-    slot = first.allocate({**REQUEST, "worker": None}).slot
+    slot = first.allocate(parse_slot_request({**REQUEST, "worker": None})).slot
     first.close()
     # A crash after the kernel object was made but with the row lost: delete the row behind its back.
     import sqlite3
@@ -125,7 +126,7 @@ def test_start_survives_a_leftover_shared_slot_on_an_empty_pool(config: object) 
     first = make(config)
     online = sorted(discover(gpus=False, fpgas=False).online_cpus)
     for n in range(len(online)):
-        first.allocate({**REQUEST, "name": f"g{n}", "worker": None})
+        first.allocate(parse_slot_request({**REQUEST, "name": f"g{n}", "worker": None}))
     first.close()
     leftover = "sleftover0001"
     for controller in ("cpuset", "cpu", "memory", "pids"):
@@ -146,7 +147,7 @@ def test_allocate_release_latency(config: object) -> None:
         samples = []
         for n in range(30):
             began = time.perf_counter()
-            slot = manager.allocate({**REQUEST, "name": f"lat{n}", "worker": None}).slot
+            slot = manager.allocate(parse_slot_request({**REQUEST, "name": f"lat{n}", "worker": None})).slot
             manager.release(slot.id)
             samples.append(time.perf_counter() - began)
         samples.sort()

@@ -12,6 +12,7 @@ from nodeagent.agent.daemon import SlotStats
 from nodeagent.agent.metrics import Metrics
 from nodeagent.agent.slot import Slot
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
+from nodeagent.schema.request import parse_slot_request
 from tests.agent.fake_service import FakeSlotService
 
 FIGURES = CgroupStats(
@@ -41,7 +42,8 @@ class PreparedProvider:
 def test_prepare_gets_the_listed_slots_before_any_figures_are_asked_for() -> None:
     service = FakeSlotService()
     ids = [
-        service.allocate({"name": name, "qos": "best-effort", "resources": {}}).slot.id for name in ("a", "b")
+        service.allocate(parse_slot_request({"name": name, "qos": "best-effort"})).slot.id
+        for name in ("a", "b")
     ]
     provider = PreparedProvider()
     text = Metrics(service, stats_provider=provider).render()[0].decode()
@@ -63,7 +65,7 @@ class CountingManager:
 def test_slot_stats_takes_each_slots_cgroup_from_the_scrapes_listing_and_looks_up_the_rest() -> None:
     service = FakeSlotService()
     for name in ("listed", "unlisted"):
-        service.allocate({"name": name, "qos": "best-effort", "resources": {}})
+        service.allocate(parse_slot_request({"name": name, "qos": "best-effort", "resources": {}}))
     listed, unlisted = (dataclasses.replace(view, applied=None) for view in service.list_slots())
     manager = CountingManager({listed.id: listed, unlisted.id: unlisted})
     stats = SlotStats(manager)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request
+from nodeagent.schema.worker import parse_worker_spec
 
 
 @pytest.fixture
@@ -93,7 +94,7 @@ def test_update_of_a_missing_slot_is_refused(store: StateStore) -> None:
 
 def test_workers_cascade_with_their_slot(store: StateStore) -> None:
     store.insert_slot(slot())
-    store.put_worker(Worker(slot_id="s1", spec={"command": ["sleep", "1"]}))
+    store.put_worker(Worker(slot_id="s1", spec=parse_worker_spec({"command": ["sleep", "1"]})))
     last_exit = ExitRecord(1, None, False, 5.0, "exited")
     status = WorkerStatus(Phase.RUNNING, 42, 1, 0, last_exit, None, "pid 42 ready")
     store.update_worker("s1", status=status)
@@ -108,7 +109,7 @@ def test_workers_cascade_with_their_slot(store: StateStore) -> None:
 
 def test_worker_needs_an_existing_slot(store: StateStore) -> None:
     with pytest.raises(StateError):
-        store.put_worker(Worker(slot_id="ghost", spec={}))
+        store.put_worker(Worker(slot_id="ghost", spec=parse_worker_spec({"command": ["x"]})))
 
 
 def test_transaction_rolls_back_everything_on_error(store: StateStore) -> None:

@@ -24,8 +24,9 @@ from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spec import WorkerSpec
 from nodeagent.runtime.supervisor import Backoff, Supervisor
+from nodeagent.schema.request import parse_slot_request
+from nodeagent.schema.worker import WorkerSpec
 from tests.agent.test_manager import TOPOLOGY, FakeCgroup, FakeIsolation, FakeRuntime, World, guaranteed
 
 WAIT_SECONDS = 10.0  # generous: the machine may be busy; the loop normally reacts in milliseconds
@@ -135,7 +136,9 @@ def test_idle_workers_are_not_polled_and_an_exit_is_seen_without_polling_the_oth
     manager, runtime = supervised
     ids = [
         manager.allocate(
-            {**guaranteed(f"w{i}", cpus=1), "worker": {"command": ["sleep"], "restart": "never"}}
+            parse_slot_request(
+                {**guaranteed(f"w{i}", cpus=1), "worker": {"command": ["sleep"], "restart": "never"}}
+            )
         ).slot.id
         for i in range(3)
     ]
@@ -157,7 +160,7 @@ def test_a_restart_runs_when_its_backoff_is_over_and_the_new_worker_is_watched(
 ) -> None:
     manager, runtime = supervised
     slot_id = manager.allocate(
-        {**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}}
+        parse_slot_request({**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}})
     ).slot.id
     os.kill(runtime.processes[slot_id][0].pid, signal.SIGKILL)
     wait_for(
@@ -175,7 +178,7 @@ def test_a_waiting_restart_shows_a_countdown_that_runs_between_ticks(
     manager, runtime = supervised
     runtime.backoff = Backoff(initial_seconds=60.0)
     slot_id = manager.allocate(
-        {**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}}
+        parse_slot_request({**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}})
     ).slot.id
     os.kill(runtime.processes[slot_id][0].pid, signal.SIGKILL)
     wait_for(lambda: worker(manager, slot_id)["phase"] == "backoff")
@@ -188,7 +191,7 @@ def test_a_waiting_restart_shows_a_countdown_that_runs_between_ticks(
 def test_release_stops_the_watched_worker(supervised: tuple[SlotManager, SleepRuntime]) -> None:
     manager, runtime = supervised
     slot_id = manager.allocate(
-        {**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}}
+        parse_slot_request({**guaranteed(cpus=1), "worker": {"command": ["sleep"], "restart": "always"}})
     ).slot.id
     process = runtime.processes[slot_id][0]
     manager.release(slot_id)

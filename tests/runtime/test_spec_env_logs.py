@@ -9,8 +9,9 @@ import pytest
 from nodeagent.errors import InvalidRequest, NotFound
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
 from nodeagent.runtime.logs import RotatingLog, tail
+from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spec import ProbeKind, RestartPolicy, parse_worker_spec
+from nodeagent.schema.worker import ProbeKind, RestartPolicy, parse_worker_spec
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ from nodeagent.runtime.spec import ProbeKind, RestartPolicy, parse_worker_spec
 )
 def test_invalid_specs_name_the_field(raw, field):
     with pytest.raises(InvalidRequest, match=field):
-        parse_worker_spec(raw)
+        resolve(parse_worker_spec(raw))
 
 
 def test_full_spec_parses():
@@ -111,7 +112,7 @@ def test_full_spec_parses():
     ],
 )
 def test_presets_fill_command_and_probes(raw, argv0, ready_path, port):
-    spec = parse_worker_spec(raw)
+    spec = resolve(parse_worker_spec(raw))
     assert spec.command[0] == argv0
     assert spec.readiness is not None
     assert spec.liveness is not None
@@ -119,14 +120,14 @@ def test_presets_fill_command_and_probes(raw, argv0, ready_path, port):
 
 
 def test_preset_keeps_what_the_spec_sets():
-    spec = parse_worker_spec(
+    spec = resolve(parse_worker_spec(
         {
             "preset": "triton",
             "model_repository": "/m",
             "command": ["my-triton"],
             "readiness": {"tcp": {"port": 1}},
         }
-    )
+    ))
     assert spec.command == ("my-triton",)
     assert spec.readiness is not None
     assert spec.readiness.kind is ProbeKind.TCP

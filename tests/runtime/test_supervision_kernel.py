@@ -21,8 +21,8 @@ from nodeagent.runtime.process import (
     read_state,
     write_state,
 )
-from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
 from nodeagent.runtime.supervisor import Backoff, Phase, SpawnerLauncher, Supervisor
+from nodeagent.schema.worker import HttpCheck, Probe, RestartPolicy, WorkerSpec
 from tests.runtime.conftest import make_request
 
 pytestmark = pytest.mark.root
@@ -82,9 +82,7 @@ def test_hung_worker_is_killed_by_its_liveness_probe(tmp_path, slot, spawner, ki
         "time.sleep(600)\n"
     )
     liveness = Probe(
-        kind=ProbeKind.HTTP,
-        port=port,
-        path="/v2/health/live",
+        http=HttpCheck(port=port, path="/v2/health/live"),
         period_seconds=0.2,
         timeout_seconds=0.2,
         failure_threshold=2,

@@ -10,8 +10,8 @@ import pytest
 from nodeagent.errors import WorkerError
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
 from nodeagent.runtime.supervisor import Backoff, Phase, Supervisor
+from nodeagent.schema.worker import HttpCheck, Probe, RestartPolicy, TcpCheck, WorkerSpec
 
 
 class Clock:
@@ -79,7 +79,7 @@ def exited(code: int | None = None, sig: int | None = None) -> ExitRecord:
     return ExitRecord(code, sig, False, 0.0, "exited" if sig is None else "signaled")
 
 
-HTTP = Probe(kind=ProbeKind.HTTP, port=8000, period_seconds=1.0, failure_threshold=2)
+HTTP = Probe(http=HttpCheck(port=8000), period_seconds=1.0, failure_threshold=2)
 TEMPLATE = LaunchRequest(launch_id="slot-a", argv=("worker",), env={}, run_dir="/run", log_dir="/logs")
 
 
@@ -113,7 +113,7 @@ def test_running_only_once_ready():
 
 
 def test_a_slow_starter_is_probed_every_second_until_first_ready_then_every_period():
-    slow = Probe(kind=ProbeKind.HTTP, port=8000, period_seconds=10.0, failure_threshold=3)
+    slow = Probe(http=HttpCheck(port=8000), period_seconds=10.0, failure_threshold=3)
     sup, clock, _, _, checked = make(
         WorkerSpec(command=("w",), readiness=slow), probe_results=[False, False, True, True]
     )
@@ -199,7 +199,7 @@ def test_backoff_resets_after_a_long_healthy_run():
 
 
 def test_liveness_failure_stops_gracefully_then_kills_the_slot():
-    liveness = Probe(kind=ProbeKind.TCP, port=1, period_seconds=1.0, failure_threshold=2)
+    liveness = Probe(tcp=TcpCheck(port=1), period_seconds=1.0, failure_threshold=2)
     spec = WorkerSpec(command=("w",), liveness=liveness, stop_grace_seconds=5)
     sup, clock, launcher, cgroup, _ = make(spec, probe_results=[False, False])
     sup.start()
@@ -221,7 +221,7 @@ def test_liveness_failure_stops_gracefully_then_kills_the_slot():
 
 
 def test_liveness_kill_counts_as_failure_even_with_a_clean_exit():
-    liveness = Probe(kind=ProbeKind.TCP, port=1, period_seconds=1.0, failure_threshold=1)
+    liveness = Probe(tcp=TcpCheck(port=1), period_seconds=1.0, failure_threshold=1)
     sup, _, launcher, _, _ = make(WorkerSpec(command=("w",), liveness=liveness), probe_results=[False])
     sup.start()
     sup.tick()

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
 from nodeagent.runtime.supervisor import Backoff, Phase, Supervisor
+from nodeagent.schema.worker import HttpCheck, Probe, RestartPolicy, WorkerSpec
 from tests.runtime.test_supervisor import TEMPLATE, Clock, FakeCgroup, FakeLauncher, FakeWorker, exited, make
 
-SLOW_HTTP = Probe(kind=ProbeKind.HTTP, port=8000, period_seconds=10.0, initial_delay_seconds=3.0)
+SLOW_HTTP = Probe(http=HttpCheck(port=8000), period_seconds=10.0, initial_delay_seconds=3.0)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,254 @@
+"""What to run in a slot: :class:`WorkerSpec`, the one definition of the worker spec.
+
+The spec is the client's: a preset (``"preset": "triton"``) stays a name here; the runtime fills in
+the preset's command and probes when it launches (``nodeagent.runtime.presets``), and the spec's
+own values always win. docs/worker-spec.md documents every field.
+"""
+
+from __future__ import annotations
+
+import enum
+import resource
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+
+from nodeagent.schema.base import AsTuple, StrictModel
+from nodeagent.schema.errors import invalid_request
+from nodeagent.schema.quantity import shown
+
+#: Open Inference Protocol (KServe v2) health paths: the default HTTP probes.
+OIP_READY_PATH = "/v2/health/ready"
+OIP_LIVE_PATH = "/v2/health/live"
+
+#: The servers the runtime knows how to run (``nodeagent.runtime.presets`` defines each).
+PRESET_NAMES = ("triton", "torchserve", "tfserving", "generic")
+
+#: uid_t and gid_t are 32 bits, and (uid_t)-1 means "no change" to setuid: never an identity.
+MAX_ID = 2**32 - 2
+MAX_PERIOD_SECONDS = 3600.0
+MAX_DELAY_SECONDS = 86400.0
+
+
+class RestartPolicy(enum.StrEnum):
+    NEVER = "never"
+    ON_FAILURE = "on-failure"
+    ALWAYS = "always"
+
+
+class ProbeKind(enum.StrEnum):
+    HTTP = "http"
+    TCP = "tcp"
+    EXEC = "exec"
+
+
+# --------------------------------------------------------------------------- field types
+
+
+def _not_a_shell_line(value: Any) -> Any:
+    if isinstance(value, str):
+        raise ValueError(
+            f"must be a list of strings (argv), not a shell line: for {shown(value)} give "
+            f"{list(value.split())!r}"
+        )
+    return value
+
+
+def _argv(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value or not value[0]:
+        raise ValueError(
+            "give a non-empty list of strings (argv, not a shell line) whose first is the program"
+        )
+    if any("\0" in arg for arg in value):
+        raise ValueError("arguments cannot contain NUL")
+    return value
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/") or "\0" in value:
+        raise ValueError(f"give an absolute path, got {shown(value)}")
+    return value
+
+
+def _url_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"give a path starting with '/', got {shown(value)}")
+    return value
+
+
+def _env(value: dict[str, str]) -> dict[str, str]:
+    for key, text in value.items():
+        if not key or "=" in key or "\0" in key:
+            raise ValueError(f"env key {shown(key)}: give a non-empty name without '=' or NUL")
+        if "\0" in text:
+            raise ValueError(f"env[{key!r}]: give a string without NUL")
+    return value
+
+
+def _rlimits(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    limits: dict[Any, Any] = {}
+    for name, given in value.items():
+        number = getattr(resource, f"RLIMIT_{name.upper()}", None) if isinstance(name, str) else None
+        if not isinstance(number, int):
+            known = sorted(n[7:].lower() for n in dir(resource) if n.startswith("RLIMIT_"))
+            raise ValueError(f"unknown rlimit {shown(name)}; use one of {', '.join(known)}")
+        pair = [given, given] if isinstance(given, int) and not isinstance(given, bool) else given
+        if (
+            not isinstance(pair, list | tuple)
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in pair)
+        ):
+            raise ValueError(
+                f"rlimits.{name}: give [soft, hard] as integers (-1 is unlimited), got {shown(given)}"
+            )
+        soft, hard = pair
+        if hard != -1 and (soft == -1 or soft > hard):
+            raise ValueError(
+                f"rlimits.{name}: the soft limit must not exceed the hard limit, got {shown(given)}"
+            )
+        limits[name] = (soft, hard)
+    return limits
+
+
+def _restart(value: Any) -> Any:
+    if isinstance(value, str) and value in RestartPolicy.__members__.values():
+        return RestartPolicy(value)
+    if isinstance(value, RestartPolicy):
+        return value
+    raise ValueError(f"use never, on-failure or always, got {shown(value)}")
+
+
+Port = Annotated[int, Field(ge=1, le=65535, description="A TCP port.")]
+Argv = Annotated[tuple[str, ...], AsTuple, BeforeValidator(_not_a_shell_line), AfterValidator(_argv)]
+Principal = Annotated[str, Field(min_length=1, max_length=256)] | Annotated[int, Field(ge=0, le=MAX_ID)]
+Period = Annotated[float, Field(ge=0.01, le=MAX_PERIOD_SECONDS)]
+Delay = Annotated[float, Field(ge=0, le=MAX_DELAY_SECONDS)]
+Count = Annotated[int, Field(ge=1, le=1000)]
+
+
+# --------------------------------------------------------------------------- probes
+
+
+class HttpCheck(StrictModel):
+    port: Port
+    path: Annotated[str, AfterValidator(_url_path)] = Field(
+        default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy."
+    )
+
+
+class TcpCheck(StrictModel):
+    port: Port
+
+
+class ExecCheck(StrictModel):
+    argv: Argv = Field(description="Succeeds when it exits 0.")
+
+
+class Probe(StrictModel):
+    """A readiness or liveness check with Kubernetes' knobs and defaults: one of http, tcp or exec."""
+
+    http: HttpCheck | None = None
+    tcp: TcpCheck | None = None
+    exec: ExecCheck | None = None
+    period_seconds: Period = 10.0
+    timeout_seconds: Period = 1.0
+    success_threshold: Count = 1
+    failure_threshold: Count = 3
+    initial_delay_seconds: Delay = 0.0
+
+    @model_validator(mode="after")
+    def _one_check(self) -> Probe:
+        given = [kind for kind in ProbeKind if getattr(self, kind.value) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of 'http', 'tcp' or 'exec', such as "
+                "{'http': {'port': 8000, 'path': '/v2/health/ready'}}"
+            )
+        return self
+
+    @property
+    def kind(self) -> ProbeKind:
+        return next(kind for kind in ProbeKind if getattr(self, kind.value) is not None)
+
+    @property
+    def port(self) -> int | None:
+        check = self.http or self.tcp
+        return None if check is None else check.port
+
+    @property
+    def path(self) -> str:
+        return self.http.path if self.http is not None else OIP_READY_PATH
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return self.exec.argv if self.exec is not None else ()
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+class WorkerSpec(StrictModel):
+    """What to run in a slot, and how to keep it alive."""
+
+    command: Argv | None = Field(
+        default=None,
+        description="argv of the worker (not a shell line); optional with a preset that knows it.",
+    )
+    env: Annotated[dict[str, str], AfterValidator(_env)] = Field(
+        default_factory=dict, description="Added to the slot's environment; wins over the agent's wiring."
+    )
+    workdir: Annotated[str, AfterValidator(_absolute)] | None = None
+    user: Principal | None = Field(default=None, description="A user name or uid to run as.")
+    group: Principal | None = Field(default=None, description="A group name or gid (default: the user's).")
+    supplementary_groups: Annotated[tuple[Principal, ...], AsTuple] = ()
+    restart: Annotated[RestartPolicy, BeforeValidator(_restart)] = RestartPolicy.ON_FAILURE
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+    stop_grace_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
+        default=30.0, description="After SIGTERM, how long before the slot's processes are killed."
+    )
+    rlimits: Annotated[dict[str, tuple[int, int]], BeforeValidator(_rlimits)] = Field(
+        default_factory=dict,
+        description='Resource limits by lower-case name: {"nofile": [4096, 8192]} or {"nofile": 4096}; '
+        "-1 is unlimited.",
+    )
+    umask: Annotated[int, Field(ge=0, le=0o777)] = 0o022
+    preset: Literal["triton", "torchserve", "tfserving", "generic"] | None = Field(
+        default=None, description="A known server whose command and probes fill what the spec leaves out."
+    )
+    port: Port | None = Field(default=None, description="The port the server listens on (used by presets).")
+    model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    model_repository: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> WorkerSpec:
+        if self.command is None and self.preset in (None, "generic"):
+            raise ValueError("command is missing; give the worker's argv, or a preset that knows its command")
+        if self.liveness is not None and self.liveness.success_threshold != 1:
+            raise ValueError("liveness.success_threshold must be 1")
+        return self
+
+
+def parse_worker_spec(obj: Any) -> WorkerSpec:
+    """Check a decoded JSON worker spec; InvalidRequest names each bad field."""
+    try:
+        return WorkerSpec.model_validate(obj)
+    except ValidationError as err:
+        raise invalid_request(err, WorkerSpec, "worker spec") from None
+
+
+__all__ = [
+    "OIP_LIVE_PATH",
+    "OIP_READY_PATH",
+    "PRESET_NAMES",
+    "ExecCheck",
+    "HttpCheck",
+    "Probe",
+    "ProbeKind",
+    "RestartPolicy",
+    "TcpCheck",
+    "WorkerSpec",
+    "parse_worker_spec",
+]
