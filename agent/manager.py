@@ -302,20 +302,25 @@ class SlotManager:
                 else:
                     return AllocateResult(self._view(existing), created=False)
             assignment = plan(self._topology, self._ledger, req, self._options)
-            slot = self._store.insert_slot(
-                Slot(
-                    id=new_slot_id(),
-                    name=req.name,
-                    state=SlotState.PENDING,
-                    request=req,
-                    assignment=assignment,
+            # Committed before any kernel object exists, so a crash of the agent at any later instant
+            # leaves a row that names what it may have created; not flushed (see transaction()).
+            with self._store.transaction(durable=False):
+                slot = self._store.insert_slot(
+                    Slot(
+                        id=new_slot_id(),
+                        name=req.name,
+                        state=SlotState.PENDING,
+                        request=req,
+                        assignment=assignment,
+                    )
                 )
-            )
+                self._store.add_event(
+                    "allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id
+                )
             self._ledger = self._ledger.add(assignment)
-            self._store.add_event("allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id)
-            slot = self._finish_pending(slot)
+            slot = self._finish_pending(slot, worker=req.worker)
             if req.worker is not None:
-                self._start_worker(slot, req.worker)
+                self._launch_worker(slot, req.worker)
         self._notify()
         return AllocateResult(self._view(self._slot(slot.id)), created=True)
 
@@ -327,14 +332,20 @@ class SlotManager:
                 "delegated cgroup), or set [isolation] allow_unisolated = true to run slots without isolation"
             )
 
-    def _finish_pending(self, slot: Slot) -> Slot:
-        """Apply isolation for a pending slot; on failure roll back, mark failed and re-raise."""
+    def _finish_pending(self, slot: Slot, *, worker: WorkerSpec | None = None) -> Slot:
+        """Apply isolation for a pending slot (and record the worker it wants, in the same commit);
+        on failure roll back, mark failed and re-raise."""
         try:
             applied = self._isolation.apply(isolation_spec(slot, self._topology))
         except NodeAgentError as err:
             self._fail(slot, f"isolation failed: {err}")
             raise
-        return self._store.update_slot(dataclasses.replace(slot, state=SlotState.READY, applied=applied))
+        with self._store.transaction():
+            ready = self._store.update_slot(dataclasses.replace(slot, state=SlotState.READY, applied=applied))
+            if worker is not None:
+                # Before the launch: a worker the database does not name would be an orphan after a crash.
+                self._store.put_worker(Worker(slot_id=slot.id, spec=worker, desired="running"))
+        return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
         """Roll a slot back: kernel objects removed, resources freed, row kept as ``failed``.
@@ -396,7 +407,8 @@ class SlotManager:
         with self._lock:
             slot = self._slot(slot_id)
             if slot.state != SlotState.RELEASING:
-                slot = self._store.update_slot(dataclasses.replace(slot, state=SlotState.RELEASING))
+                with self._store.transaction(durable=False):  # the row's deletion is the durable step
+                    slot = self._store.update_slot(dataclasses.replace(slot, state=SlotState.RELEASING))
             supervisor = self._loop.remove(slot.id)
         self._notify()
         if supervisor is not None:
@@ -410,11 +422,12 @@ class SlotManager:
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
-        self._store.delete_slot(slot.id)
+        with self._store.transaction():
+            self._store.delete_slot(slot.id)
+            self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
         self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
         self._runtime.discard(slot.id)
-        self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
 
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
         """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
@@ -440,17 +453,19 @@ class SlotManager:
                 if stored is not None and stored.spec == body:
                     return self._view(slot)
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
-            self._start_worker(slot, body)
+            # Before the launch: a worker the database does not name would be an orphan after a crash.
+            self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
 
-    def _start_worker(self, slot: Slot, spec: WorkerSpec) -> None:
-        self._store.put_worker(Worker(slot_id=slot.id, spec=spec, desired="running"))
+    def _launch_worker(self, slot: Slot, spec: WorkerSpec) -> None:
         supervisor = self._make_supervisor(slot, spec)
         supervisor.start()
         self._loop.add(slot.id, supervisor)
-        self._record_status(slot.id, supervisor.status())
-        self._store.add_event("worker", f"worker of {slot.name!r}: {supervisor.message}", slot.id)
+        with self._store.transaction(durable=False):
+            self._record_status(slot.id, supervisor.status())
+            self._store.add_event("worker", f"worker of {slot.name!r}: {supervisor.message}", slot.id)
 
     def stop_worker(self, slot_id: str) -> Slot:
         with self._lock:
@@ -485,7 +500,8 @@ class SlotManager:
         slot = self._store.get_slot(slot_id)
         if slot is None:
             return False
-        with self._store.transaction():
+        # A status is derived again after a restart (re-adoption): not worth waiting for the disk.
+        with self._store.transaction(durable=False):
             self._store.update_worker(slot_id, status=status)
             wanted = SlotState.RUNNING if status.phase is Phase.RUNNING else SlotState.READY
             if slot.state in (SlotState.READY, SlotState.RUNNING) and slot.state != wanted:

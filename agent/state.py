@@ -170,6 +170,7 @@ class StateStore:
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0
+        self._durable = True
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -205,8 +206,16 @@ class StateStore:
             )
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Group writes into one transaction (re-entrant: nested calls join the outer one)."""
+    def transaction(self, *, durable: bool = True) -> Iterator[None]:
+        """Group writes into one transaction (re-entrant: nested calls join the outer one, whose
+        ``durable`` decides for all).
+
+        ``durable=False`` commits without waiting for the disk: the commit is in the WAL, so it
+        survives any crash of the agent, but not one of the machine. That is enough for a record
+        whose only job is to survive the agent (a pending slot's row: the kernel objects it guards
+        do not survive the machine either) or that is derived again after a restart (a worker's
+        status); what a client was told succeeded is committed durably.
+        """
         with self._lock:
             if self._depth:
                 self._depth += 1
@@ -216,6 +225,10 @@ class StateStore:
                     self._depth -= 1
                 return
             try:
+                if durable is not self._durable:
+                    # Only settable between transactions; FULL makes COMMIT wait for the disk.
+                    self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+                    self._durable = durable
                 self._db.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as err:
                 raise StateError(f"cannot write the state database {self.path}: {err}") from err
@@ -324,7 +337,9 @@ class StateStore:
     # --- events -------------------------------------------------------------------------------
 
     def add_event(self, kind: str, message: str, slot_id: str | None = None) -> None:
-        with self.transaction():
+        """Append to the event log (on its own not waiting for the disk: the log informs, it is not
+        the record; inside a durable transaction it is as durable as the rest)."""
+        with self.transaction(durable=False):
             cursor = self._write(
                 "INSERT INTO events (time, slot_id, kind, message) VALUES (?, ?, ?, ?)",
                 (self._clock(), slot_id, kind, message),

@@ -12,6 +12,7 @@ file and the value quoted, so a refused write reads like ``writing '0-3' to cpus
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -31,22 +32,31 @@ class CgroupDir:
     path: Path
 
 
-def check_relative(relpath: str | PurePosixPath, root: Path | None = None) -> PurePosixPath:
+def check_relative(relpath: str | PurePosixPath, root: Path | None = None) -> str:
     """The lexical half of the guard: refuse an absolute path or a ``..`` component."""
-    rel = PurePosixPath(relpath)
-    if rel.is_absolute() or ".." in rel.parts:
+    text = str(relpath)
+    if text.startswith("/") or ".." in text.split("/"):
         where = "" if root is None else f" under {root}"
         raise CgroupError(
-            f"refusing cgroup path {str(relpath)!r}{where}: it must be relative and must not contain '..'",
+            f"refusing cgroup path {text!r}{where}: it must be relative and must not contain '..'",
             errno_=errno.EINVAL,
         )
-    return rel
+    return text
 
 
 def resolve(root: Path, relpath: str | PurePosixPath) -> Path:
-    """Return ``root/relpath``, refusing anything that would not stay under ``root``."""
-    candidate = root / check_relative(relpath, root)
-    real_root = real_path(root)
+    """Return ``root/relpath``, refusing anything that would not stay under ``root``.
+
+    On a cgroup filesystem the lexical check is the whole guard: kernfs has no symlinks (nothing
+    can create one in it), so a relative path without ``..`` cannot leave it, and a realpath per
+    file access (an allocate makes about a hundred) would only cost time. Anywhere else (a fake
+    tree in a test) a symlink could point out, so the resolved path is compared with the root's.
+    """
+    rel = check_relative(relpath, root)
+    candidate = root / rel if rel else root
+    real_root, kernfs = _root_facts(str(root))
+    if kernfs:
+        return candidate
     real = real_path(candidate)
     if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
         raise CgroupError(
@@ -57,9 +67,37 @@ def resolve(root: Path, relpath: str | PurePosixPath) -> Path:
     return candidate
 
 
+@functools.lru_cache(maxsize=64)
+def _root_facts(root: str) -> tuple[str, bool]:
+    """A cgroup root's real path, and whether it is a cgroup filesystem (the roots are mounts that
+    do not move while the agent runs, so both are asked once)."""
+    real = real_path(Path(root))
+    return real, mount_fs_type(real) in ("cgroup", "cgroup2")
+
+
+def mount_fs_type(path: str, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
+    """The filesystem type of the mount ``path`` (a real path) lies on, or None when unknown."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return None
+    best, fs_type = "", None
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail:
+            continue
+        # Mount points escape space, tab, newline and backslash as octal (\040 ...).
+        point = parts[4].encode().decode("unicode_escape")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fs_type = point, tail.split()[0]
+    return fs_type
+
+
 def real_path(path: Path) -> str:
     """``os.path.realpath``, asked of the kernel when the path exists (three system calls instead of
-    an lstat per component: a /metrics scrape checks thousands of cgroup paths)."""
+    an lstat per component)."""
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:

@@ -77,3 +77,35 @@ def test_read_keyed_and_pids(tmp_path: Path) -> None:
 def test_join_skips_empty_parts() -> None:
     assert fs.join("", "cgroup.procs") == "cgroup.procs"
     assert fs.join("a/b/", "c") == "a/b/c"
+
+
+MOUNTINFO = (
+    "22 1 253:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+    "25 22 0:21 / /sys rw,nosuid shared:7 - sysfs sysfs rw\n"
+    "26 25 0:22 / /sys/fs/cgroup ro,nosuid shared:8 - tmpfs tmpfs ro,mode=755\n"
+    "27 26 0:23 / /sys/fs/cgroup/unified rw shared:9 - cgroup2 cgroup2 rw\n"
+    "30 26 0:26 / /sys/fs/cgroup/cpu,cpuacct rw shared:12 - cgroup cgroup rw,cpu,cpuacct\n"
+    "31 22 0:40 / /mnt/with\\040space rw - cgroup2 none rw\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        pytest.param("/sys/fs/cgroup/unified", "cgroup2", id="v2-mount"),
+        pytest.param("/sys/fs/cgroup/cpu,cpuacct/nodeagent.slice", "cgroup", id="inside-v1-mount"),
+        pytest.param("/sys/fs/cgroup", "tmpfs", id="the-tmpfs-above-them"),
+        pytest.param("/sys/fs/cgroupX", "sysfs", id="a-prefix-is-not-a-parent"),
+        pytest.param("/tmp/fake-tree", "ext4", id="a-fake-tree"),
+        pytest.param("/mnt/with space/x", "cgroup2", id="escaped-mount-point"),
+    ],
+)
+def test_mount_fs_type_takes_the_innermost_mount(tmp_path: Path, path: str, expected: str) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(MOUNTINFO)
+    assert fs.mount_fs_type(path, mountinfo) == expected
+
+
+def test_the_real_cgroup_mount_skips_the_realpath_check_and_a_fake_tree_does_not(tmp_path: Path) -> None:
+    assert fs.mount_fs_type(str(tmp_path)) not in ("cgroup", "cgroup2")
+    assert fs._root_facts(str(tmp_path))[1] is False  # so a symlink in a fake tree is still refused
