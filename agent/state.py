@@ -25,12 +25,13 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.placement import Assignment
+from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
 from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot
@@ -130,6 +131,7 @@ _WORKER_UPSERT = (
 )
 _EVENT_SELECT = "SELECT id, time, slot_id, kind, message FROM events"
 #: What update_slot rewrites (id, name, qos and created_at never change).
+_JSON_SLOT_COLUMNS = frozenset({"request", "assignment", "network", "applied"})
 _UPDATED_SLOT_COLUMNS = (
     "request",
     "assignment",
@@ -165,8 +167,12 @@ def _load(text: str | None) -> Any:
 class StateStore:
     """The agent's database. Open once per process; close on shutdown."""
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: Path, *, manifests: Manifests | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``manifests``: where to keep each slot's manifest (agent.recovery), None for none."""
         self.path = path
+        self.manifests = manifests
         self._clock = clock
         self._lock = threading.RLock()
         self._depth = 0
@@ -272,6 +278,7 @@ class StateStore:
         now = self._clock()
         stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None)
         self._write(_SLOT_INSERT, _slot_row(stored))
+        self._keep_manifest(stored)
         return stored
 
     def update_slot(self, slot: Slot) -> Slot:
@@ -286,10 +293,17 @@ class StateStore:
         )
         if cursor.rowcount != 1:
             raise StateError(f"slot {slot.id!r} is not in the state database")
+        self._keep_manifest(changed)
         return changed
+
+    def _keep_manifest(self, slot: Slot) -> None:
+        if self.manifests is not None:
+            self.manifests.write(slot_record(slot))
 
     def delete_slot(self, slot_id: str) -> None:
         self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
+        if self.manifests is not None:
+            self.manifests.remove(slot_id)
 
     def get_slot(self, slot_id: str) -> Slot | None:
         rows = self._read(_SLOT_SELECT + " WHERE id = ?", (slot_id,))
@@ -357,40 +371,50 @@ class StateStore:
         return [EventRecord(*r) for r in reversed(rows)]
 
 
-def _slot_row(slot: Slot) -> tuple[Any, ...]:
-    columns = {
+def slot_record(slot: Slot) -> dict[str, Any]:
+    """A slot as the database holds it, in JSON (also each slot's manifest file)."""
+    return {
         "id": slot.id,
         "name": slot.name,
         "qos": slot.qos,
-        "request": _dump(request_to_dict(slot.request)),
-        "assignment": None if slot.assignment is None else _dump(slot.assignment.to_dict()),
+        "request": request_to_dict(slot.request),
+        "assignment": None if slot.assignment is None else slot.assignment.to_dict(),
         "state": str(slot.state),
         "reason": slot.reason,
         # cgroup and network repeat parts of applied, for people reading the database by hand.
         "cgroup": slot.cgroup,
-        "network": None if slot.network is None else _dump(slot.network.to_json()),
-        "applied": None if slot.applied is None else _dump(slot.applied.to_json()),
+        "network": None if slot.network is None else slot.network.to_json(),
+        "applied": None if slot.applied is None else slot.applied.to_json(),
         "created_at": slot.created_at,
         "updated_at": slot.updated_at,
     }
-    return tuple(columns[c] for c in _SLOT_COLUMNS)
 
 
-def _slot_from_row(row: tuple[Any, ...]) -> Slot:
-    values = dict(zip(_SLOT_COLUMNS, row, strict=True))
-    assignment = _load(values["assignment"])
-    applied = _load(values["applied"])
+def slot_from_record(values: Mapping[str, Any]) -> Slot:
+    """Read back :func:`slot_record`."""
+    assignment = values["assignment"]
+    applied = values["applied"]
     return Slot(
         id=values["id"],
         name=values["name"],
         state=SlotState(values["state"]),
-        request=parse_slot_request(_load(values["request"])),
+        request=parse_slot_request(values["request"]),
         assignment=None if assignment is None else Assignment.from_dict(assignment),
         applied=None if applied is None else AppliedSlot.from_json(applied),
         reason=values["reason"],
         created_at=values["created_at"],
         updated_at=values["updated_at"],
     )
+
+
+def _slot_row(slot: Slot) -> tuple[Any, ...]:
+    record = slot_record(slot)
+    return tuple(_dump(record[c]) if c in _JSON_SLOT_COLUMNS else record[c] for c in _SLOT_COLUMNS)
+
+
+def _slot_from_row(row: tuple[Any, ...]) -> Slot:
+    values = dict(zip(_SLOT_COLUMNS, row, strict=True))
+    return slot_from_record({k: _load(v) if k in _JSON_SLOT_COLUMNS else v for k, v in values.items()})
 
 
 def _status_columns(status: WorkerStatus) -> dict[str, Any]:
@@ -434,4 +458,4 @@ def _worker_from_row(row: tuple[Any, ...]) -> Worker:
     )
 
 
-__all__ = ["EventRecord", "StateError", "StateStore"]
+__all__ = ["EventRecord", "StateError", "StateStore", "slot_from_record", "slot_record"]

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from nodeagent.cgroups import open_manager
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
+from nodeagent.isolation.slot import AppliedSlot, OwnedSlot, SlotIsolator
 from nodeagent.isolation.spec import SlotIsolationSpec
 
 
@@ -47,6 +47,10 @@ class IsolationBackend(Protocol):
 
     def remove_orphans(self, keep: Collection[str]) -> list[str]:
         """Remove our objects that belong to no slot id in ``keep``; say what went."""
+        ...
+
+    def owned_slots(self) -> list[OwnedSlot]:
+        """Every slot cgroup under the agent's parent, with the processes in it."""
         ...
 
 
@@ -81,6 +85,9 @@ class KernelIsolation:
 
     def release(self, slot_id: str) -> None:
         self.isolator.release(slot_id)
+
+    def owned_slots(self) -> list[OwnedSlot]:
+        return self.isolator.owned_slots()
 
     def remove_orphans(self, keep: Collection[str]) -> list[str]:
         removed = self.isolator.remove_orphans(keep)
@@ -121,5 +128,8 @@ class NoIsolation:
     def remove_orphans(self, keep: Collection[str]) -> list[str]:
         return []
 
+    def owned_slots(self) -> list[OwnedSlot]:
+        return []
 
-__all__ = ["IsolationBackend", "KernelIsolation", "NoIsolation"]
+
+__all__ = ["IsolationBackend", "KernelIsolation", "NoIsolation", "OwnedSlot"]

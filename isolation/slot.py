@@ -56,7 +56,7 @@ from nodeagent.isolation.network import (
     plan_slot_network,
     validate_slot_id,
 )
-from nodeagent.isolation.qos import QOS_CLASSES, QosParameters, qos_parameters
+from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
 
@@ -135,6 +135,18 @@ class AppliedSlot:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise InvalidRequest(f"malformed applied-slot record {data!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class OwnedSlot:
+    """A slot cgroup under the agent's parent, as the kernel shows it (start-up's evidence)."""
+
+    slot_id: str
+    qos: str
+    #: what is known of its kernel objects: the cgroup and what it confines (no limits, rules or netns)
+    applied: AppliedSlot
+    #: processes running in it now
+    pids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -275,18 +287,48 @@ class SlotIsolator:
     def list_owned(self) -> OwnedIsolation:
         """Every slot object the isolator's marks identify (to find orphans after a crash)."""
         with self._lock:
-            cgroups: dict[str, str] = {}
-            parent = open_manager(self.host, self.hierarchy.parent)
-            for qos in QOS_CLASSES:
-                class_path = self.hierarchy.class_parent(qos)
-                for name in open_manager(self.host, class_path).children() if parent.exists() else ():
-                    if qos != "guaranteed" or name not in CLASS_DIRS.values():
-                        cgroups[name] = f"{class_path}/{name}"
+            cgroups = {slot_id: relpath for slot_id, (_, relpath) in self._owned_cgroups().items()}
             resctrl_groups: tuple[str, ...] = ()
             if self._resctrl_mounted():
                 prefix = self.config.resctrl_prefix
                 resctrl_groups = tuple(g for g in self.resctrl.groups() if g.startswith(prefix))
             return OwnedIsolation(cgroups, self.network.list_owned(), resctrl_groups)
+
+    def owned_slots(self) -> list[OwnedSlot]:
+        """Every slot cgroup under the parent, what it confines and the processes in it now."""
+        with self._lock:
+            found = []
+            for slot_id, (qos, relpath) in self._owned_cgroups().items():
+                manager = open_manager(self.host, relpath)
+                mems = self.pool.read_ids(relpath, "cpuset.mems")
+                applied = AppliedSlot(
+                    slot_id=slot_id,
+                    qos=qos,
+                    cgroup=relpath,
+                    cgroup_version=manager.version,
+                    procs_files=tuple(str(p) for p in manager.procs_files()),
+                    oom_events=_oom_events_file(manager),
+                    cpus=self.pool.read_cpus(relpath),
+                    mems=mems or None,
+                    memory_max=None,
+                    sched_idle=False,
+                    oom_score_adj=0,
+                    device_rules=(),
+                )
+                found.append(OwnedSlot(slot_id, qos, applied, tuple(manager.subtree_pids())))
+            return found
+
+    def _owned_cgroups(self) -> dict[str, tuple[QosClassName, str]]:
+        """slot id -> (QoS class, cgroup relpath) of every slot cgroup under the parent."""
+        cgroups: dict[str, tuple[QosClassName, str]] = {}
+        if not open_manager(self.host, self.hierarchy.parent).exists():
+            return cgroups
+        for qos in QOS_CLASSES:
+            class_path = self.hierarchy.class_parent(qos)
+            for name in open_manager(self.host, class_path).children():
+                if qos != "guaranteed" or name not in CLASS_DIRS.values():
+                    cgroups[name] = (qos, f"{class_path}/{name}")
+        return cgroups
 
     def remove_orphans(self, known_slot_ids: Iterable[str]) -> OwnedIsolation:
         """Remove every owned object that belongs to none of ``known_slot_ids``; return what went."""
@@ -452,18 +494,13 @@ class SlotIsolator:
         network: SlotNetwork | None,
         resctrl_group: str | None,
     ) -> AppliedSlot:
-        paths = manager.paths()
-        if "memory" in paths:
-            oom_events: str | None = str(paths["memory"] / "memory.oom_control")
-        else:
-            oom_events = str(paths["unified"] / "memory.events") if "unified" in paths else None
         return AppliedSlot(
             slot_id=spec.slot_id,
             qos=spec.qos,
             cgroup=manager.relpath,
             cgroup_version=manager.version,
             procs_files=tuple(str(p) for p in manager.procs_files()),
-            oom_events=oom_events,
+            oom_events=_oom_events_file(manager),
             cpus=cpus,
             mems=spec.mems,
             memory_max=params.memory_max,
@@ -491,6 +528,14 @@ class SlotIsolator:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _oom_events_file(manager: CgroupManager) -> str | None:
+    """Where the slot's OOM kills are counted: v1 memory.oom_control, v2 memory.events."""
+    paths = manager.paths()
+    if "memory" in paths:
+        return str(paths["memory"] / "memory.oom_control")
+    return str(paths["unified"] / "memory.events") if "unified" in paths else None
 
 
 def _controller_dir(manager: CgroupManager, controller: str) -> Path | None:
