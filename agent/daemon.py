@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import IsolatorKernel, SlotKernel, SlotManager, SpawnerRuntime, UnisolatedKernel
-from nodeagent.agent.placement import placement_index
 from nodeagent.agent.service import SlotView
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupStats, detect, open_manager
@@ -37,6 +36,7 @@ from nodeagent.errors import ConfigError, translate_os_error
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.placement import placement_index
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics

@@ -56,14 +56,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent import __version__
-from nodeagent.agent.placement import (
-    Allocated,
-    Assignment,
-    PlacementOptions,
-    capacity,
-    placement_index,
-    plan,
-)
 from nodeagent.agent.service import AllocateResult, NodeInfo, SlotState, SlotView
 from nodeagent.agent.state import SlotRecord, StateStore, WorkerRecord
 from nodeagent.cgroups import CgroupManager, open_manager
@@ -72,6 +64,14 @@ from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, NotFound,
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import NetworkRequest as IsolationNetwork
 from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.placement import (
+    Allocated,
+    Assignment,
+    PlacementOptions,
+    capacity,
+    placement_index,
+    plan,
+)
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch import SlotBinding, build_launch_request

@@ -37,7 +37,7 @@ class SlotView:
     qos: str
     state: SlotState
     request: Mapping[str, Any]  #: the SlotRequest as JSON (schema.request.request_to_dict)
-    assignment: Mapping[str, Any] | None  #: agent.placement.Assignment.to_dict()
+    assignment: Mapping[str, Any] | None  #: placement.Assignment.to_dict()
     cgroup: str | None  #: cgroup path relative to the cgroup root(s)
     network: Mapping[str, Any] | None  #: netns name, addresses, limits
     worker: Mapping[str, Any] | None  #: worker status: phase, pid, restarts, last exit, message
@@ -94,7 +94,7 @@ class SlotService(Protocol):
     def topology(self) -> Topology: ...
 
     def capacity(self) -> dict[str, Any]:
-        """agent.placement.capacity(...).to_dict() plus device health and slot counts."""
+        """placement.capacity(...).to_dict() plus device health and slot counts."""
         ...
 
     def list_slots(self) -> list[SlotView]: ...

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nodeagent.agent.placement import Allocated, Assignment, count_fits, placement_index, plan
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import PlacementError
+from nodeagent.placement import Allocated, Assignment, count_fits, placement_index, plan
 from nodeagent.schema.request import SlotRequest, parse_slot_request
 
 HOSTS = {

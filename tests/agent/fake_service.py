@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nodeagent.agent.placement import Allocated, Assignment, capacity, plan
 from nodeagent.agent.service import AllocateResult, NodeInfo, SlotState, SlotView
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
+from nodeagent.placement import Allocated, Assignment, capacity, plan
 from nodeagent.schema.request import parse_slot_request, request_to_dict
 
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from nodeagent.agent.manager import KernelSlot, SlotManager, UnisolatedKernel
-from nodeagent.agent.placement import Allocated, Assignment
 from nodeagent.agent.service import SlotState
 from nodeagent.agent.state import SlotRecord, StateStore, WorkerRecord
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
+from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.launch import SlotBinding
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
@@ -442,7 +442,7 @@ def crash_with(tmp_path: Path, *records: SlotRecord) -> None:
 
 
 def planned(name: str, state: str, slot_id: str) -> SlotRecord:
-    from nodeagent.agent.placement import plan
+    from nodeagent.placement import plan
     from nodeagent.schema.request import parse_slot_request, request_to_dict
 
     req = parse_slot_request(guaranteed(name))

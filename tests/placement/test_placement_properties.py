@@ -12,10 +12,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nodeagent.agent.placement import Allocated, Assignment, PlacementOptions, capacity, plan
 from nodeagent.devices.synthetic import GIB, synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import PlacementError
+from nodeagent.placement import Allocated, Assignment, PlacementOptions, capacity, plan
 from nodeagent.schema.request import parse_slot_request
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
