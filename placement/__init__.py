@@ -18,8 +18,9 @@ in short:
 
 The modules, one concept each: ``options`` (PlacementOptions), ``assignment`` (what a slot is
 given), ``bitset`` (CPU sets as ints), ``index`` (per-topology tables), ``ledger`` (Allocated and
-what it leaves free), ``cores`` (which cores of one node), ``planner`` (the decision) and
-``capacity`` (reports and ``count_fits``). Placement imports nothing from ``nodeagent.agent``: it
+what it leaves free), ``cores`` (which cores of one node), ``planner`` (the decision),
+``shortfall`` (what a request needs, and the words of a refusal) and ``capacity`` (reports and
+``count_fits``). Placement imports nothing from ``nodeagent.agent``: it
 depends on the topology data types, the request types and the error hierarchy only.
 
 Speed: a :class:`PlacementIndex` is built once per Topology object and CPU sets are ints used as

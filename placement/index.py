@@ -81,6 +81,13 @@ class PlacementIndex:
         self.core_node = {c.core: c.numa for c in topo.cpus}
         sizes = [m.bit_count() for m in self.core_mask.values() if m]
         self.threads_per_core = max(set(sizes), key=sizes.count) if sizes else 1
+        #: Nodes with a core of fewer online threads than most (a sibling offline): there, which
+        #: counts whole cores can make takes a search rather than a division.
+        self.short_core_nodes = frozenset(
+            self.core_node[core]
+            for core, m in self.core_mask.items()
+            if m and m.bit_count() != self.threads_per_core
+        )
         self.gpu_by_index = {g.index: g for g in topo.gpus}
         self.gpus_by_node: dict[int | None, tuple[Gpu, ...]] = {}
         for g in topo.gpus:
@@ -106,7 +113,7 @@ class PlacementIndex:
         self.mig_node = {key: g.numa for g in topo.gpus for key in self.mig_keys.get(g.index, ())}
         self._usable: dict[tuple[frozenset[int] | None, bool, bool], UsableCpus] = {}
         self._gpu_roles: dict[frozenset[str], dict[int | None, GpuRoles]] = {}
-        self._free_cores: dict[tuple[int, int, int, bool], tuple[tuple[FreeCore, ...], int]] = {}
+        self._free_cores: dict[tuple[int, int, int, bool], tuple[tuple[FreeCore, ...], int, int]] = {}
         self._nearest = {n: self._by_distance_from(n) for n in self.node_ids}
         self._others = {n: tuple(o for o in self._nearest[n] if o != n) for n in self.node_ids}
 
@@ -131,8 +138,9 @@ class PlacementIndex:
 
     def free_cores(
         self, usable: UsableCpus, node: int, taken: int, whole_cores: bool
-    ) -> tuple[tuple[FreeCore, ...], int]:
-        """Free cores of ``node`` (core, free CPUs mask, L3 group) and their CPU count.
+    ) -> tuple[tuple[FreeCore, ...], int, int]:
+        """Free cores of ``node`` (core, free CPUs mask, L3 group), their CPU count, and how many of
+        those CPUs are spare threads of partly used cores (always 0 with ``whole_cores``).
 
         Memoised on what is taken on that node: between two decisions most nodes do not change.
         """
@@ -141,15 +149,17 @@ class PlacementIndex:
         if hit is not None:
             return hit
         cores = []
-        count = 0
+        count = spare = 0
         for core, cmask, l3 in usable.cores_by_node[node]:
             free = cmask & ~taken
             if free and (free == cmask or not whole_cores):
                 cores.append((core, free, l3))
                 count += free.bit_count()
+                if not whole_cores and free != self.core_mask[core]:
+                    spare += free.bit_count()
         if len(self._free_cores) >= 8192:
             self._free_cores.clear()
-        found = self._free_cores[key] = (tuple(cores), count)
+        found = self._free_cores[key] = (tuple(cores), count, spare)
         return found
 
     def nearest_first(self, node: int) -> tuple[int, ...]:

@@ -288,6 +288,7 @@ class LedgerView:
     usable: UsableCpus
     cores: dict[int, tuple[FreeCore, ...]]
     cpus: dict[int, int]
+    spare: dict[int, int]  #: of ``cpus``, those in partly used cores (whole_cores off; else empty)
     pool: dict[int, int]
     plain_by_cpus: list[tuple[int, int]]  #: (free CPUs, node) of nodes without devices, ascending
     plain_by_pool: list[tuple[int, int]]  #: (free pool CPUs, node) of the same nodes, ascending
@@ -295,7 +296,7 @@ class LedgerView:
 
     @classmethod
     def build(cls, index: PlacementIndex, usable: UsableCpus, taken: int) -> LedgerView:
-        view = cls(index, usable, {}, {}, {}, [], [], {})
+        view = cls(index, usable, {}, {}, {}, {}, [], [], {})
         view._refresh(index.node_ids, taken)
         return view
 
@@ -311,6 +312,7 @@ class LedgerView:
             self.usable,
             dict(self.cores),
             dict(self.cpus),
+            dict(self.spare),
             dict(self.pool),
             list(self.plain_by_cpus),
             list(self.plain_by_pool),
@@ -339,12 +341,14 @@ class LedgerView:
         index, usable = self.index, self.usable
         free_pool = usable.pool_base & ~taken
         for node in nodes:
-            cores, cpus = index.free_cores(usable, node, taken, usable.whole_cores)
+            cores, cpus, spare = index.free_cores(usable, node, taken, usable.whole_cores)
             pool = (free_pool & index.node_mask[node]).bit_count()
             if node not in index.device_node_set:
                 _resort(self.plain_by_cpus, node, self.cpus.get(node), cpus)
                 _resort(self.plain_by_pool, node, self.pool.get(node), pool)
             self.cores[node], self.cpus[node], self.pool[node] = cores, cpus, pool
+            if not usable.whole_cores:
+                self.spare[node] = spare
 
 
 def _resort(ranked: list[tuple[int, int]], node: int, old: int | None, new: int) -> None:

@@ -12,7 +12,6 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.cpulist import format_cpulist
@@ -20,43 +19,14 @@ from nodeagent.devices.topology import Gpu, Topology
 from nodeagent.errors import PlacementError
 from nodeagent.placement.assignment import Assignment, DeviceAssignment, GpuShare, MigAssignment
 from nodeagent.placement.bitset import ids_of, mask_of
-from nodeagent.placement.cores import first_cpus, order_by_l3, pick_whole_cores
+from nodeagent.placement.cores import ThreadPick, needs_split, order_by_l3, pick_threads, pick_whole_cores
 from nodeagent.placement.index import GpuRoles, placement_index
 from nodeagent.placement.ledger import NO_DEVICES, Allocated, FreeDevices
 from nodeagent.placement.options import PlacementOptions
+from nodeagent.placement.shortfall import Demand, host_shortfall, plural, single_node_shortfall
 from nodeagent.schema.request import MILLI, Resources, SlotRequest, format_quantity
 
 _SHARE_CAPACITY = MILLI  # one GPU, in thousandths
-
-
-@dataclass(frozen=True, slots=True)
-class _Demand:
-    cpus: int  #: exclusive CPUs (guaranteed) or pool CPUs needed on the node (others, policy single)
-    memory: int
-    gpus: int
-    mig: int
-    share: int
-    fpgas: int
-
-    def describe(self, request: SlotRequest) -> str:
-        parts = []
-        if self.cpus:
-            parts.append(f"{self.cpus} exclusive CPUs" if request.guaranteed else f"{self.cpus} shared CPUs")
-        if self.memory:
-            parts.append(f"{format_quantity(self.memory)} memory")
-        if self.gpus:
-            parts.append(_plural(self.gpus, "GPU"))
-        if self.mig:
-            parts.append(_plural(self.mig, "MIG instance") + f" of profile {request.resources.gpu_profile}")
-        if self.share:
-            parts.append(f"a {request.resources.gpu_share:g} share of a GPU")
-        if self.fpgas:
-            parts.append(_plural(self.fpgas, "FPGA"))
-        return ", ".join(parts) or "nothing"
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class _Planner:
@@ -78,6 +48,8 @@ class _Planner:
         self.free = allocated.free_view(self.index, self.usable)
         #: Free CPUs per node for this request: whole free cores if guaranteed, else the pool's.
         self.cpus = self.free.cpus if request.guaranteed else self.free.pool
+        #: Only exclusive CPUs with whole_cores off can split a core; otherwise :meth:`_splits` is 0.
+        self.may_split = request.guaranteed and not options.whole_cores
         kinds = self.free.devices
         if len(kinds) >= 64:
             kinds.clear()
@@ -86,7 +58,7 @@ class _Planner:
 
     # ------------------------------------------------------------------ demand and supply
 
-    def _demand(self) -> _Demand:
+    def _demand(self) -> Demand:
         res = self.res
         if self.request.guaranteed:
             cpus = res.whole_cpus
@@ -99,7 +71,7 @@ class _Planner:
             if res.numa != "none" and (self.request.guaranteed or res.numa == "single")
             else 0
         )
-        return _Demand(
+        return Demand(
             cpus=cpus,
             memory=bound_memory,
             gpus=0 if res.gpu_profile else res.gpus,
@@ -200,6 +172,7 @@ class _Planner:
         dev, d = self.devices(node), self.demand
         return (
             dev.stranded,
+            self._splits(node, d.cpus) if self.may_split else 0,
             self.cpus[node] - d.cpus,
             len(dev.gpus) - d.gpus,
             len(dev.mig) - d.mig,
@@ -228,15 +201,36 @@ class _Planner:
         return best
 
     def _best_plain_node(self, need: tuple[int, ...]) -> int | None:
-        """The best fit among nodes without devices: there the score comes down to (free CPUs, id)."""
+        """The best fit among nodes without devices: there the score comes down to (splits, free
+        CPUs, id), and splits are 0 everywhere unless whole_cores is off."""
         if any(n > 0 for n in need[2:]):
             return None
         need_cpus, need_memory = need[0], need[1]
         ranked = self.free.plain_by_cpus if self.request.guaranteed else self.free.plain_by_pool
+        splitting = None  # the tightest node that fits only by splitting a core
         for _, node in itertools.islice(ranked, bisect.bisect_left(ranked, (need_cpus,)), None):
-            if need_memory <= 0 or self.memory(node) >= need_memory:
+            if need_memory > 0 and self.memory(node) < need_memory:
+                continue
+            if not self.may_split or not self._splits(node, need_cpus):
                 return node
-        return None
+            if splitting is None:
+                splitting = node
+        return splitting
+
+    def _splits(self, node: int, want: int) -> int:
+        """1 if taking ``want`` exclusive CPUs on ``node`` must split a free core, else 0.
+
+        Only with whole_cores off (with it on, cores are never split) and for guaranteed slots.
+        """
+        if not self.may_split or want <= 0:
+            return 0
+        spare = self.free.spare[node]
+        if node not in self.index.short_core_nodes:
+            # Every whole core has the same size: take as many as fit, the rest must be spare.
+            tpc = self.index.threads_per_core
+            whole = (self.cpus[node] - spare) // tpc
+            return int(want - min(whole, want // tpc) * tpc > spare)
+        return int(needs_split(self.free.cores[node], want, self.index.core_mask))
 
     def _best_node_set(self, **fit: bool) -> list[int] | None:
         """Fewest nodes, then the nearest (sum of SLIT distances), then the least left over."""
@@ -346,7 +340,7 @@ class _Planner:
                 return [single]
             nodes = self._best_node_set(with_devices=False)
             if nodes is None:
-                raise self._host_shortfall()
+                raise host_shortfall(self)
             return nodes
         single = self._best_single_node()
         if single is not None:
@@ -358,10 +352,10 @@ class _Planner:
             )
             return [single]
         if policy == "single":
-            raise self._single_shortfall()
+            raise single_node_shortfall(self)
         nodes = self._best_node_set()
         if nodes is None:
-            raise self._host_shortfall()
+            raise host_shortfall(self)
         self.reasons.append(
             f"numa prefer: no single node fits; spanning the {len(nodes)} nearest nodes {sorted(nodes)}"
         )
@@ -387,12 +381,17 @@ class _Planner:
             self._distributed_parts(nodes) if self.options.distribute_across_numa and len(nodes) > 1 else None
         )
         if parts is None:
-            parts = _pack_parts(nodes, free, n)
+            parts = _pack_parts(nodes, free, n, self._splits)
         return {node: self._take_on_node(node, want) for node, want in parts.items() if want}
 
     def _distributed_parts(self, nodes: list[int]) -> dict[int, int] | None:
-        """Even split over as few nodes as can take it (kubelet's distribute-cpus-across-numa)."""
-        tpc = self.index.threads_per_core if self.options.whole_cores else 1
+        """Even split over as few nodes as can take it (kubelet's distribute-cpus-across-numa).
+
+        The parts are whole cores even with whole_cores off: splitting 6 CPUs 3+3 would split a
+        core on each node where 4+2 splits none. Only the remainder of an odd request is a part
+        that is not a whole number of cores.
+        """
+        tpc = self.index.threads_per_core
         units = math.ceil(self.demand.cpus / tpc)
         ranked = sorted(self.index.node_ids, key=lambda n: (n not in nodes, -self.cpus[n], n))
         for k in range(2, len(ranked) + 1):
@@ -403,8 +402,13 @@ class _Planner:
             chosen = self._nearest_subset(eligible, k)
             parts = {n: (base + (i < extra)) * tpc for i, n in enumerate(chosen)}
             overshoot = sum(parts.values()) - self.demand.cpus
-            last = chosen[-1] if extra == 0 else chosen[extra - 1]
-            parts[last] -= overshoot  # the remainder of an odd request rounds up on one node only
+            # The remainder of an odd request rounds up on one node only (or is the one partial
+            # core): one of the nodes with the larger part, preferably where it splits no core.
+            larger = chosen if extra == 0 else chosen[:extra]
+            last = larger[-1]
+            if overshoot:
+                last = min(reversed(larger), key=lambda n: self._splits(n, parts[n] - overshoot))
+            parts[last] -= overshoot
             nodes[:] = chosen
             self.reasons.append(
                 f"distribute_across_numa: {self.demand.cpus} CPUs split evenly over nodes {sorted(chosen)}"
@@ -431,11 +435,9 @@ class _Planner:
         return best
 
     def _take_on_node(self, node: int, want: int) -> tuple[int, ...]:
-        cores = order_by_l3(self.free.cores[node], want)
         if not self.options.whole_cores:
-            # Fill half-used cores first so that whole cores stay whole for others.
-            cores.sort(key=lambda c: c[1] == self.index.core_mask[c[0]])
-            return first_cpus(cores, want)
+            return self._take_threads_on_node(node, want)
+        cores = order_by_l3(self.free.cores[node], want)
         picked = pick_whole_cores(cores, want, self.index.threads_per_core, self.options.round_up_to_cores)
         if picked is None:
             raise PlacementError(
@@ -449,13 +451,25 @@ class _Planner:
         )
         return ids_of(picked)
 
+    def _take_threads_on_node(self, node: int, want: int) -> tuple[int, ...]:
+        """whole_cores off: whole cores first, then spare threads of partly used cores, then a split."""
+        uniform = node not in self.index.short_core_nodes
+        pick = pick_threads(self.free.cores[node], want, self.index.core_mask, uniform=uniform)
+        if pick is None:  # the node's free count was checked when the nodes were chosen
+            raise PlacementError(
+                f"slot {self.request.name!r}: {want} CPUs are not free on node {node} "
+                f"({self.cpus[node]} are); re-plan against the current ledger"
+            )
+        self.reasons.append(f"node {node}: {plural(want, 'CPU')} as {_describe_pick(pick)}")
+        return ids_of(pick.cpus)
+
     def _check_pool_after(self, cpus: frozenset[int]) -> None:
         promised = self.alloc.quota_millis.get("burstable", 0)
         left = (self.pool & ~mask_of(cpus)).bit_count()
         if left == 0 and self.alloc.shared_slots:
             raise PlacementError(
                 f"slot {self.request.name!r}: taking {len(cpus)} exclusive CPUs would empty the shared pool, "
-                f"where {_plural(self.alloc.shared_slots, 'burstable or best-effort slot')} run; "
+                f"where {plural(self.alloc.shared_slots, 'burstable or best-effort slot')} run; "
                 "ask for fewer CPUs or release those slots first"
             )
         if left * MILLI * self.options.burstable_overcommit < promised:
@@ -491,7 +505,7 @@ class _Planner:
         if policy == "single":
             node = self._best_single_node()
             if node is None:
-                raise self._single_shortfall()
+                raise single_node_shortfall(self)
             self.reasons.append(f"numa single: pool CPUs, memory and devices on node {node}")
             return [node]
         if not needs_node:
@@ -505,7 +519,7 @@ class _Planner:
                 return nodes
         elif self._fits_host(with_cpus=False):
             return []
-        raise self._host_shortfall()
+        raise host_shortfall(self)
 
     def _shared_cpus(self, nodes: list[int]) -> frozenset[int]:
         pool = self.pool
@@ -569,9 +583,9 @@ class _Planner:
         fpgas = _take(sups(), lambda s: s.fpgas, d.fpgas)
         got = (len(gpus), len(migs), len(shares), len(fpgas))
         if got != (d.gpus, d.mig, d.share, d.fpgas):
-            raise self._single_shortfall() if self.res.numa == "single" else self._host_shortfall()
+            raise single_node_shortfall(self) if self.res.numa == "single" else host_shortfall(self)
         if not shares and self.res.gpu_share_millis:
-            raise self._host_shortfall()
+            raise host_shortfall(self)
         return (
             tuple(gpus),
             tuple(
@@ -600,76 +614,6 @@ class _Planner:
             out.append(DeviceAssignment(path, exclusive))
         return tuple(out)
 
-    # ------------------------------------------------------------------ refusals
-
-    def _free_by_node(self) -> str:
-        d = self.demand
-        parts: list[str] = []
-        empty: list[int] = []
-        for n in self.index.node_ids:
-            s = self.devices(n)
-            have = []
-            if d.cpus:
-                have.append(f"{self.cpus[n]} CPUs")
-            if d.memory:
-                have.append(f"{format_quantity(self.memory(n))} memory")
-            if d.gpus:
-                have.append(_plural(len(s.gpus), "GPU"))
-            if d.mig:
-                have.append(_plural(len(s.mig), "MIG instance"))
-            if d.share:
-                have.append(_plural(len(s.shares), "shareable GPU"))
-            if d.fpgas:
-                have.append(_plural(len(s.fpgas), "FPGA"))
-            if any(not h.startswith("0 ") for h in have):
-                parts.append(f"node {n}: " + ", ".join(have))
-            else:
-                empty.append(n)
-        if empty:
-            parts.append(f"node{'s' if len(empty) > 1 else ''} {format_cpulist(empty)}: nothing free")
-        return "; ".join(parts)
-
-    def _cpu_only(self) -> bool:
-        d = self.demand
-        return not any((d.memory, d.gpus, d.mig, d.share, d.fpgas))
-
-    def _single_shortfall(self) -> PlacementError:
-        name, d = self.request.name, self.demand
-        if self._cpu_only() and self.request.guaranteed:
-            best = max(self.index.node_ids, key=lambda n: (self.cpus[n], -n))
-            return PlacementError(
-                f"slot {name!r}: need {d.cpus} exclusive CPUs on one NUMA node; the largest free set is "
-                f"{self.cpus[best]}, on node {best} ({self._free_by_node()}); "
-                "ask for fewer CPUs, use numa prefer, or release a slot"
-            )
-        return PlacementError(
-            f"slot {name!r}: need {d.describe(self.request)} on one NUMA node; no node has all of it "
-            f"({self._free_by_node()}{self._floating_note()}); "
-            "ask for less, use numa prefer, or release a slot"
-        )
-
-    def _host_shortfall(self) -> PlacementError:
-        reserved = ids_of(self.usable.reserved)
-        note = (
-            f"; CPUs {format_cpulist(reserved)} are reserved for the system"
-            if reserved and self.demand.cpus
-            else ""
-        )
-        return PlacementError(
-            f"slot {self.request.name!r}: need {self.demand.describe(self.request)}; the host does not have "
-            f"that much free ({self._free_by_node()}{self._floating_note()}){note}; "
-            "ask for less or release a slot"
-        )
-
-    def _floating_note(self) -> str:
-        fl, d = self.floating, self.demand
-        count = (
-            (len(fl.gpus) if d.gpus else 0)
-            + (len(fl.mig) if d.mig else 0)
-            + (len(fl.fpgas) if d.fpgas else 0)
-        )
-        return f"; {count} more on no known node" if count else ""
-
 
 # =========================================================================== helpers
 
@@ -683,8 +627,11 @@ def _accumulate(total: list[int], more: Sequence[int]) -> None:
         total[i] += v
 
 
-def _pack_parts(nodes: list[int], free: Mapping[int, int], n: int) -> dict[int, int]:
-    """Whole nodes first (largest first), then the remainder on the best-fitting node."""
+def _pack_parts(
+    nodes: list[int], free: Mapping[int, int], n: int, splits: Callable[[int, int], int]
+) -> dict[int, int]:
+    """Whole nodes first (largest first), then the remainder on the best-fitting node, among those
+    that can take it without splitting a core (``splits(node, count)``) if there are any."""
     parts: dict[int, int] = {}
     remaining = n
     while remaining > 0:
@@ -693,12 +640,28 @@ def _pack_parts(nodes: list[int], free: Mapping[int, int], n: int) -> dict[int, 
             break
         fitting = [x for x in unused if free[x] >= remaining]
         if fitting:
-            parts[min(fitting, key=lambda x: (free[x], x))] = remaining
+            parts[min(fitting, key=lambda x: (splits(x, remaining), free[x], x))] = remaining
             break
         biggest = max(unused, key=lambda x: (free[x], -x))
         parts[biggest] = free[biggest]
         remaining -= free[biggest]
     return parts
+
+
+def _describe_pick(pick: ThreadPick) -> str:
+    made_of = []
+    if pick.whole_cores:
+        made_of.append(plural(pick.whole_cores, "whole core"))
+    if pick.spare_threads:
+        made_of.append(plural(pick.spare_threads, "thread") + " of partly used cores")
+    if pick.split_core is not None:
+        made_of.append(
+            plural(pick.split_threads, "thread")
+            + f" of core {pick.split_core}, split because nothing else made up the count"
+        )
+    caches = sorted({cache for _, cache in pick.l3_groups})
+    listed = ", ".join(made_of[:-1]) + (" and " if len(made_of) > 1 else "") + made_of[-1]
+    return f"{listed}; from L3 cache{'s' if len(caches) > 1 else ''} " + ",".join(map(str, caches))
 
 
 def _take(
