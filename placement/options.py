@@ -15,7 +15,7 @@ from nodeagent.errors import ConfigError, InvalidRequest
 class PlacementOptions:
     whole_cores: bool = True  #: never split a physical core's hyperthreads between two slots
     round_up_to_cores: bool = True  #: with whole_cores, an odd request takes whole cores (else: refused)
-    distribute_across_numa: bool = False  #: wide guaranteed slots: spread evenly over the fewest nodes
+    distribute_across_numa: bool = False  #: wide guaranteed slots: whole cores spread over the fewest nodes
     reserved_cpus: frozenset[int] | None = None  #: None: the first physical core on hosts with >= 4 CPUs
     use_isolated_cpus: bool = False  #: hand isolcpus CPUs to guaranteed slots (never to the pool)
     burstable_overcommit: float = 1.0  #: burstable quota may reach pool CPUs x this
