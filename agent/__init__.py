@@ -1,1 +1,1 @@
-"""The daemon: configuration, placement, state, slot manager, REST API, reporting and the CLI."""
+"""The daemon: configuration, state, slot manager, REST API, reporting and the CLI."""

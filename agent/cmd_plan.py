@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from nodeagent.agent.placement import Allocated, PlacementOptions, plan
 from nodeagent.devices.topology import Topology, topology_from_dict
 from nodeagent.errors import InvalidRequest, NotFound
+from nodeagent.placement import Allocated, PlacementOptions, plan
 from nodeagent.schema.request import parse_slot_request
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.agent.placement import PlacementOptions
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.network import SlotNetworkConfig
+from nodeagent.placement import PlacementOptions
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 DEFAULT_LISTEN = "127.0.0.1:7070"

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
-from nodeagent.agent.placement import placement_index
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
@@ -39,6 +38,7 @@ from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.placement import placement_index
 from nodeagent.runtime.workers import SpawnerRuntime
 
 if TYPE_CHECKING:

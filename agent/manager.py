@@ -54,14 +54,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.placement import (
-    Allocated,
-    Assignment,
-    PlacementOptions,
-    capacity,
-    placement_index,
-    plan,
-)
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
@@ -70,6 +62,14 @@ from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, NotFound,
 from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.devices import assigned_device_nodes
 from nodeagent.isolation.spec import SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.placement import (
+    Allocated,
+    Assignment,
+    PlacementOptions,
+    capacity,
+    placement_index,
+    plan,
+)
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.supervision import SupervisionLoop

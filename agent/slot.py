@@ -16,9 +16,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nodeagent.agent.placement import Assignment
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.placement import Assignment
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import QoS, SlotRequest, request_to_dict
 from nodeagent.schema.worker import WorkerSpec

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.agent.placement import Assignment
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
 from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.placement import Assignment
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
 from nodeagent.schema.worker import parse_worker_spec

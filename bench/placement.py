@@ -1,6 +1,6 @@
 """Placement speed and quality under allocate/release churn, on hosts of growing size.
 
-Run: .venv/bin/python bench/placement.py [--decisions N] [--seed S]
+Run: .venv/bin/python bench/placement.py [--decisions N] [--seed S] [--option KEY=VALUE ...]
 
 For each host it replays the same seeded churn (random slot shapes, half the steps release a random
 slot) through ``plan`` and through a naive first-fit baseline written here (lowest free whole cores,
@@ -9,7 +9,9 @@ p99 time per decision, decisions per second, the median as a multiple of the sma
 cost of a decision should not grow with the host), the median time of the ledger update that
 follows each decision (``Allocated.add``/``remove``), how long ``count_fits`` takes to count the
 4-CPU slots an empty host takes, and how often a slot that could have fitted on one NUMA node was
-spread over several (what costs tail latency).
+spread over several (what costs tail latency). ``--option`` passes placement options to ``plan`` and
+``count_fits`` (``--option whole_cores=false`` times the thread-level choice); the naive baseline
+ignores them.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nodeagent.agent.placement import Allocated, Assignment, count_fits, placement_index, plan
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import PlacementError
+from nodeagent.errors import ConfigError, PlacementError
+from nodeagent.placement import Allocated, Assignment, PlacementOptions, count_fits, placement_index, plan
 from nodeagent.schema.request import SlotRequest, parse_slot_request
 
 HOSTS = {
@@ -123,13 +125,13 @@ def churn(topo: Topology, steps: list[tuple[bool, SlotRequest]], decide: Callabl
     return result
 
 
-def time_count_fits(topo: Topology) -> tuple[int, float]:
+def time_count_fits(topo: Topology, options: PlacementOptions | None = None) -> tuple[int, float]:
     """How many 4-CPU slots an empty host takes, and how long count_fits took to say so (best of 3)."""
     shape = parse_slot_request({"name": "fit", "qos": "guaranteed", "resources": {"cpus": 4}})
     best, fits = float("inf"), 0
     for _ in range(3):
         start = time.perf_counter()
-        fits = count_fits(topo, Allocated(), shape)
+        fits = count_fits(topo, Allocated(), shape, options)
         best = min(best, time.perf_counter() - start)
     return fits, best
 
@@ -138,8 +140,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decisions", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--option", action="append", default=[], help="a placement option, KEY=VALUE")
     args = parser.parse_args()
-    print(f"{args.decisions} churn steps per host (about half are releases), seed {args.seed}")
+    try:
+        options = PlacementOptions.from_strings(args.option)
+    except ConfigError as err:
+        parser.error(str(err))
+    print(
+        f"{args.decisions} churn steps per host (about half are releases), seed {args.seed}"
+        + (f", options {' '.join(args.option)}" if args.option else "")
+    )
     print("x1st: the median over the first (16-CPU) host's; ratio: plan's median over naive's\n")
     header = (
         f"{'host':<28} {'median us':>9} {'p99 us':>7} {'decisions/s':>11} {'x1st':>5} "
@@ -153,15 +163,15 @@ def main() -> None:
         topo = make()
         steps = shapes(random.Random(args.seed), bool(topo.gpus), args.decisions)
         warm = parse_slot_request({"name": "warm", "qos": "guaranteed", "resources": {"cpus": 1}})
-        plan(topo, Allocated(), warm)  # build the index outside the measurement
-        ours = churn(topo, steps, plan)
+        plan(topo, Allocated(), warm, options)  # build the index outside the measurement
+        ours = churn(topo, steps, lambda t, ledger, request: plan(t, ledger, request, options))
         naive = churn(topo, steps, naive_first_fit)  # ignores GPUs: it only times and places CPUs
         med = statistics.median(ours.times) * 1e6
         p99 = sorted(ours.times)[int(len(ours.times) * 0.99)] * 1e6
         base = statistics.median(naive.times) * 1e6
         first = first or (med, base)
         ledger_us = statistics.median(ours.ledger_times) * 1e6
-        fits, fits_s = time_count_fits(topo)
+        fits, fits_s = time_count_fits(topo, options)
         print(
             f"{label:<28} {med:>9.0f} {p99:>7.0f} {1e6 / med:>11.0f} {med / first[0]:>5.1f} "
             f"{base:>8.0f} {base / first[1]:>5.1f} {med / base:>5.1f} {ledger_us:>9.0f} "

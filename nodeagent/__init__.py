@@ -3,7 +3,8 @@ isolated slots for ML inference workers.
 
 The top-level folders of the repository install as subpackages of this namespace:
 ``nodeagent.devices`` (discovery), ``nodeagent.cgroups``, ``nodeagent.isolation``,
-``nodeagent.runtime`` and ``nodeagent.agent`` (the daemon, placement and the CLI).
+``nodeagent.runtime``, ``nodeagent.placement`` (pure placement decisions) and ``nodeagent.agent``
+(the daemon and the CLI).
 """
 
 from nodeagent.errors import NodeAgentError

@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nodeagent.agent.placement import Allocated, Assignment, capacity, plan
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
 from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.placement import Allocated, Assignment, capacity, plan
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch, request_to_dict
 from nodeagent.schema.worker import WorkerSpec

@@ -94,7 +94,7 @@ def test_every_section_is_read(tmp_path: Path) -> None:
 
 
 def test_placement_defaults_match_placement_options() -> None:
-    from nodeagent.agent.placement import PlacementOptions
+    from nodeagent.placement import PlacementOptions
 
     assert AgentConfig().placement_options() == PlacementOptions()
 

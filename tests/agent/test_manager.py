@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from nodeagent.agent.manager import SlotManager
-from nodeagent.agent.placement import Allocated, Assignment
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
@@ -22,6 +21,7 @@ from nodeagent.isolation.backend import NoIsolation
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
@@ -478,7 +478,7 @@ def crash_with(tmp_path: Path, *records: Slot) -> None:
 
 
 def planned(name: str, state: str, slot_id: str) -> Slot:
-    from nodeagent.agent.placement import plan
+    from nodeagent.placement import plan
     from nodeagent.schema.request import parse_slot_request
 
     req = parse_slot_request(guaranteed(name))

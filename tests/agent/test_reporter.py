@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agent.placement import Assignment
 from nodeagent.agent.reporter import (
     HEARTBEAT_SCHEMA,
     REGISTER_SCHEMA,
@@ -34,6 +33,7 @@ from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError
+from nodeagent.placement import Assignment
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request
 

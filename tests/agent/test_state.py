@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.agent.placement import Assignment
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
 from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.placement import Assignment
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request

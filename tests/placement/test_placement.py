@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agent.placement import (
+from nodeagent.devices.synthetic import GIB, synthetic_topology
+from nodeagent.devices.topology import Topology
+from nodeagent.errors import ConfigError, Conflict, InvalidRequest, PlacementError
+from nodeagent.placement import (
     Allocated,
     Assignment,
     PlacementOptions,
@@ -19,9 +22,6 @@ from nodeagent.agent.placement import (
     count_fits,
     plan,
 )
-from nodeagent.devices.synthetic import GIB, synthetic_topology
-from nodeagent.devices.topology import Topology
-from nodeagent.errors import ConfigError, Conflict, InvalidRequest, PlacementError
 from nodeagent.schema.request import parse_slot_request
 
 TOPOLOGIES: dict[str, Topology] = {

@@ -6,16 +6,17 @@ memory and GPUs per node from the topology and the assignments made so far.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nodeagent.agent.placement import Allocated, Assignment, PlacementOptions, capacity, plan
 from nodeagent.devices.synthetic import GIB, synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import PlacementError
+from nodeagent.placement import Allocated, Assignment, PlacementOptions, capacity, plan
 from nodeagent.schema.request import parse_slot_request
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -29,11 +30,12 @@ class Host:
 
 
 @st.composite
-def hosts(draw: st.DrawFn) -> Host:
+def hosts(draw: st.DrawFn, whole_cores: bool | None = None) -> Host:
+    """A random host; ``whole_cores`` fixes that option (None: drawn too)."""
     sockets = draw(st.integers(1, 2))
     per_socket = draw(st.integers(1, 3))
     cores = draw(st.integers(1, 4))
-    threads = draw(st.integers(1, 2))
+    threads = draw(st.sampled_from([1, 2, 4]))
     total = sockets * per_socket * cores * threads
     # CPU 0 always stays online, like on Linux.
     cpu_ids = st.integers(1, max(1, total - 1))
@@ -52,7 +54,7 @@ def hosts(draw: st.DrawFn) -> Host:
     options = PlacementOptions(
         reserved_cpus=reserved,
         distribute_across_numa=draw(st.booleans()),
-        whole_cores=draw(st.booleans()),
+        whole_cores=draw(st.booleans()) if whole_cores is None else whole_cores,
     )
     online = topo.online_cpus
     if reserved is None:
@@ -139,6 +141,7 @@ def check_invariants(host: Host, slots: list[Assignment], a: Assignment, req: An
         assert len(a.cpus) < req.resources.whole_cpus + max(len(c) for c in topo.cores.values())
     else:
         assert len(a.cpus) == req.resources.whole_cpus
+    check_fewest_splits(host, slots, a)
     assert sum(a.memory_by_node.values()) in (0, a.memory_bytes)
     assert len(a.gpus) == req.resources.gpus
     assert all(topo.gpus[g].healthy is not False for g in a.gpus)
@@ -148,6 +151,48 @@ def check_invariants(host: Host, slots: list[Assignment], a: Assignment, req: An
         assert {topo.cpu_by_id[c].numa for c in a.cpus} == {node}
         assert {topo.gpus[g].numa for g in a.gpus} <= {node}
         assert set(a.memory_by_node) <= {node}
+
+
+def check_fewest_splits(host: Host, slots: list[Assignment], a: Assignment) -> None:
+    """The slot splits a core that was entirely free only where its count leaves no other way.
+
+    On each node it uses: no split if that node's entirely free cores (any subset of them) plus the
+    free threads of its partly used cores could make up the CPUs the slot took there, else one.
+    Over the whole slot, on hosts whose cores all have every thread online: at most one split, and
+    none for a whole number of cores when no core was partly used.
+    """
+    topo = host.topo
+    unavailable = host.reserved | topo.isolated_cpus | {c for s in slots if s.exclusive for c in s.cpus}
+    mine = set(a.cpus)
+    whole_sizes: dict[int, list[int]] = {n.id: [] for n in topo.numa_nodes}
+    spare = dict.fromkeys(whole_sizes, 0)
+    splits = dict.fromkeys(whole_sizes, 0)
+    for siblings in topo.cores.values():
+        online = [c for c in siblings if topo.cpu_by_id[c].online]
+        if not online:
+            continue
+        node = topo.cpu_by_id[online[0]].numa
+        free = [c for c in online if c not in unavailable]
+        if len(free) < len(online):
+            spare[node] += len(free)
+            continue
+        whole_sizes[node].append(len(online))
+        if 0 < len(mine & set(online)) < len(online):
+            splits[node] += 1
+    for node, count in Counter(topo.cpu_by_id[c].numa for c in a.cpus).items():
+        sums = {0}
+        for size in whole_sizes[node]:
+            sums |= {s + size for s in sums if s + size <= count}
+        needed = 0 if any(count - spare[node] <= s for s in sums) else 1
+        assert splits[node] <= needed, (
+            f"node {node}: {splits[node]} free cores split for {count} CPUs; {needed} needed "
+            f"(whole free cores of sizes {whole_sizes[node]}, {spare[node]} spare threads)"
+        )
+    if all(topo.cpu_by_id[c].online for c in topo.cpu_by_id):
+        threads = max(len(s) for s in topo.cores.values())
+        assert sum(splits.values()) <= 1, f"{sum(splits.values())} free cores split for one slot"
+        if len(a.cpus) % threads == 0 and not any(spare.values()):
+            assert sum(splits.values()) == 0, f"{len(a.cpus)} CPUs are whole cores, yet a core was split"
 
 
 # --------------------------------------------------------------------------- properties
@@ -212,3 +257,27 @@ def test_shared_pool_never_overlaps_exclusive_cpus(host: Host, data: st.DataObje
         assert pool["burstable_quota"] <= pool["burstable_capacity"] + 1e-9
         if ledger.shared_slots:
             assert pool["cpus"] > 0, "exclusive slots emptied the pool under running shared slots"
+
+
+@SETTINGS
+@given(host=hosts(whole_cores=False), data=st.data())
+def test_threads_split_no_more_cores_than_needed(host: Host, data: st.DataObject) -> None:
+    # With whole_cores off, cores end up partly used as slots come and go; a new slot must still
+    # take whole cores first and use spare threads before splitting a free core.
+    ledger, slots = Allocated(), []
+    for step in range(data.draw(st.integers(1, 20), label="steps")):
+        if slots and data.draw(st.integers(0, 2), label="release?") == 0:
+            ledger = ledger.remove(slots.pop(data.draw(st.integers(0, len(slots) - 1), label="which")))
+            continue
+        numa = data.draw(st.sampled_from(["single", "prefer", "none"]), label="numa")
+        cpus = data.draw(st.integers(1, 9), label="cpus")
+        req = parse_slot_request(
+            {"name": f"s{step}", "qos": "guaranteed", "resources": {"cpus": cpus, "numa": numa}}
+        )
+        try:
+            a = plan(host.topo, ledger, req, host.options)
+        except PlacementError:
+            continue
+        check_fewest_splits(host, slots, a)
+        ledger = ledger.add(a)
+        slots.append(a)
