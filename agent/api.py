@@ -33,6 +33,8 @@ Errors always have the body ``{"error": {"code": str, "message": str}}``. Status
 - 422 the body or a parameter was read but is not acceptable: wrong types, unknown fields, values
   out of range, unknown devices (``invalid_request``), or a feature the host lacks (``unsupported``);
 - 500 the kernel or a worker refused (``kernel_error``, ``cgroup_error``, ``worker_error``, ...);
+- 507 ``insufficient_storage``: the state directory's filesystem is full; nothing was changed (or a
+  retry of the same call finishes what was begun), the message names the directory;
 - 503 ``not_ready``: changes are refused until start-up reconciliation is done (reads still work).
 
 The request models below check shapes (types, unknown fields) and document them; the service stays
@@ -67,6 +69,7 @@ from nodeagent.devices.topology import topology_to_dict
 from nodeagent.errors import (
     ConfigError,
     Conflict,
+    InsufficientStorage,
     InvalidRequest,
     NodeAgentError,
     NotFound,
@@ -94,6 +97,7 @@ class NotReady(NodeAgentError):
 #: First match wins, so subclasses come before their bases.
 _STATUS_BY_ERROR: tuple[tuple[type[NodeAgentError], int], ...] = (
     (NotReady, 503),
+    (InsufficientStorage, 507),
     (InvalidRequest, 422),
     (ConfigError, 422),
     (Unsupported, 422),
@@ -180,7 +184,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _READ_ERRORS = _errors(401, 404, 422)
-_WRITE_ERRORS = _errors(400, 401, 404, 409, 413, 415, 422, 500, 503)
+_WRITE_ERRORS = _errors(400, 401, 404, 409, 413, 415, 422, 500, 503, 507)
 
 SlotId = Annotated[
     str,

@@ -26,9 +26,33 @@ from nodeagent.agent.config import apply_overrides, load_config
     default=None,
     help="Database, API token and worker directories [default: /var/lib/nodeagent as root].",
 )
-def command(config_file: Path | None, listen: str | None, state_dir: Path | None) -> None:
+@click.option(
+    "--recover",
+    is_flag=True,
+    help="Rebuild slots that run on this host but that the state database lost (docs/recovery.md).",
+)
+@click.option(
+    "--discard-orphans",
+    is_flag=True,
+    help="Remove slots that run on this host but that the state database lost, killing their processes.",
+)
+def command(
+    config_file: Path | None,
+    listen: str | None,
+    state_dir: Path | None,
+    recover: bool,
+    discard_orphans: bool,
+) -> None:
     """Run the agent: reconcile, supervise workers, serve the REST API, report to the controller."""
     from nodeagent.agent.daemon import serve  # noqa: PLC0415 - keep other commands' start-up light
+    from nodeagent.agent.recovery import RecoveryMode  # noqa: PLC0415
 
+    if recover and discard_orphans:
+        raise click.UsageError("--recover and --discard-orphans exclude each other; choose one")
+    mode = RecoveryMode.REFUSE
+    if recover:
+        mode = RecoveryMode.RECOVER
+    elif discard_orphans:
+        mode = RecoveryMode.DISCARD
     config = apply_overrides(load_config(config_file), listen=listen, state_dir=state_dir)
-    serve(config)
+    serve(config, recovery=mode)

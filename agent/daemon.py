@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -27,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
+from nodeagent.agent.recovery import Manifests, RecoveryMode
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import ConfigError, translate_os_error
+from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.qos import QosDefaults
@@ -93,25 +95,67 @@ def ensure_state_dir(path: Path) -> Path:
     return path
 
 
-def ensure_token(path: Path) -> str:
-    """The API token: read it, or create the file (0600) with a fresh random token."""
+class StateDirectoryBusy(ConfigError):
+    code = "state_dir_busy"
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Take the state directory for this process (an exclusive lock on ``<dir>/agent.lock``, held
+    until the process ends) before anything reads or changes state; returns the lock's descriptor.
+
+    A second agent on the same directory stops here, naming the first: it must not reconcile a
+    database another agent is working from."""
+    path = state_dir / "agent.lock"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        try:
-            token = path.read_text().strip()
-        except OSError as err:
-            raise translate_os_error(f"read the API token {path}", err) from err
-        if not token:
-            raise ConfigError(
-                f"the API token file {path} is empty; write a token into it or delete it"
-            ) from None
-        return token
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as err:
-        raise translate_os_error(f"create the API token {path}", err) from err
+        raise translate_os_error(f"open the state directory's lock {path}", err) from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirectoryBusy(
+            f"another nodeagent (pid {holder}) is using the state directory {state_dir}; stop it first, "
+            "or give this one another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def ensure_token(path: Path) -> str:
+    """The API token: read it, or create the file (0600) with a fresh random token.
+
+    Written whole or not at all (a temporary file, flushed, then renamed): a full disk or a crash
+    never leaves an empty token behind. An empty file (left by an older agent) gets a new token.
+    """
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        token = ""
+    except OSError as err:
+        raise translate_os_error(f"read the API token {path}", err) from err
+    if token:
+        return token
     token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in NO_SPACE:
+            raise InsufficientStorage(
+                f"cannot create the API token {path}: its filesystem is full; free space there, then start "
+                "the agent again"
+            ) from err
+        raise translate_os_error(f"create the API token {path}", err) from err
     return token
 
 
@@ -170,13 +214,15 @@ def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
     return SlotStats(manager)
 
 
-def build_manager(config: AgentConfig, topology: Topology | None = None) -> SlotManager:
+def build_manager(
+    config: AgentConfig, topology: Topology | None = None, *, recovery: RecoveryMode = RecoveryMode.REFUSE
+) -> SlotManager:
     """Everything the manager needs, from the configuration (the state directory must exist)."""
     topo = topology or discover()
     host = detect()
     isolation = build_isolation(config, topo, host)
     return SlotManager(
-        StateStore(config.database_path),
+        StateStore(config.database_path, manifests=Manifests(config.state_dir / "slots")),
         topo,
         isolation,
         SpawnerRuntime(
@@ -186,25 +232,36 @@ def build_manager(config: AgentConfig, topology: Topology | None = None) -> Slot
         node_id=config.controller.resolved_node_id,
         allow_unisolated=config.isolation.allow_unisolated,
         tick_seconds=config.workers.tick_seconds,
+        recovery=recovery,
     )
 
 
-def _reporter(config: AgentConfig, manager: SlotManager, metrics: Metrics) -> Reporter | None:
+def controller_token(config: AgentConfig) -> str | None:
+    """The controller's token from ``[controller] token_file`` (read before the agent touches the
+    kernel, so a bad file stops the start before anything changed)."""
+    path = config.controller.token_file
+    if not config.controller.url or not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as err:
+        raise ConfigError(
+            f"[controller] token_file {path}: cannot read it ({err.strerror}); create it or leave the key out"
+        ) from err
+    if not token:
+        raise ConfigError(f"[controller] token_file {path} is empty; write the controller's token into it")
+    return token
+
+
+def _reporter(
+    config: AgentConfig, manager: SlotManager, metrics: Metrics, token: str | None
+) -> Reporter | None:
     """The controller reporter, when a controller URL is configured."""
     from nodeagent.agent.reporter import Reporter, ReporterConfig  # noqa: PLC0415 - only when reporting
 
     ctl = config.controller
     if not ctl.url:
         return None
-    token = None
-    if ctl.token_file:
-        try:
-            token = Path(ctl.token_file).read_text().strip()
-        except OSError as err:
-            raise ConfigError(
-                f"[controller] token_file {ctl.token_file}: cannot read it ({err.strerror}); "
-                "create it or leave the key out"
-            ) from err
     reporter_config = ReporterConfig(
         url=ctl.url,
         interval_seconds=ctl.interval_seconds,
@@ -274,8 +331,13 @@ def _terminate_cleanly() -> Iterator[list[int]]:
 # =========================================================================== serve
 
 
-def serve(config: AgentConfig) -> None:
-    """Run the daemon until SIGTERM/SIGINT."""
+def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) -> None:
+    """Run the daemon until SIGTERM/SIGINT.
+
+    Start-up checks everything it can before it touches the kernel: the state directory is taken
+    (one agent per directory), the API token and the controller's token are read, and the API's
+    sockets are bound; only then are the slots reconciled with the kernel.
+    """
     import uvicorn  # noqa: PLC0415 - only the daemon pays for the web stack
 
     from nodeagent.agent import notify  # noqa: PLC0415
@@ -283,11 +345,19 @@ def serve(config: AgentConfig) -> None:
     from nodeagent.agent.metrics import Metrics  # noqa: PLC0415
 
     setup_logging(config.log.level)
-    ensure_state_dir(config.state_dir)
-    token = ensure_token(config.token_path)
     started = time.monotonic()
-    manager = build_manager(config)
-    report = manager.start()
+    ensure_state_dir(config.state_dir)
+    lock_state_dir(config.state_dir)  # held until the process ends, whatever way it ends
+    token = ensure_token(config.token_path)
+    reporter_token = controller_token(config)
+    sockets = _listen_sockets(config)
+    try:
+        manager = build_manager(config, recovery=recovery)
+        report = manager.start()
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     log.info(
         "reconciled",
         extra={
@@ -297,14 +367,13 @@ def serve(config: AgentConfig) -> None:
         },
     )
     metrics = Metrics(manager, stats_provider=_slot_stats(manager))
-    reporter = _reporter(config, manager, metrics)
+    reporter = _reporter(config, manager, metrics, reporter_token)
     watchdog = notify.Watchdog.from_environment()
     try:
         if reporter is not None:
             reporter.start()
         app = create_app(manager, token=token, metrics=metrics)
         server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
-        sockets = _listen_sockets(config)
 
         async def run() -> None:
             task = asyncio.create_task(server.serve(sockets=sockets))
@@ -342,10 +411,13 @@ def serve(config: AgentConfig) -> None:
 __all__ = [
     "JsonFormatter",
     "SlotStats",
+    "StateDirectoryBusy",
     "build_isolation",
     "build_manager",
+    "controller_token",
     "ensure_state_dir",
     "ensure_token",
+    "lock_state_dir",
     "serve",
     "setup_logging",
 ]

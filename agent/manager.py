@@ -54,14 +54,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState, Worker
-from nodeagent.agent.state import StateStore
+from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
+from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description, slot_from_kernel
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, NotFound, Unsupported, WorkerError
-from nodeagent.isolation.backend import IsolationBackend
-from nodeagent.isolation.devices import assigned_device_nodes
-from nodeagent.isolation.spec import SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.errors import (
+    Conflict,
+    InsufficientStorage,
+    InvalidRequest,
+    NodeAgentError,
+    NotFound,
+    Unsupported,
+    WorkerError,
+)
+from nodeagent.isolation.backend import IsolationBackend, OwnedSlot
 from nodeagent.placement import (
     Allocated,
     Assignment,
@@ -70,7 +78,6 @@ from nodeagent.placement import (
     placement_index,
     plan,
 )
-from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
@@ -88,6 +95,7 @@ log = logging.getLogger("nodeagent.manager")
 class ReconcileReport:
     """What start-up reconciliation did; logged and stored as events."""
 
+    recovered: list[str] = field(default_factory=list)
     finished_pending: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     finished_releasing: list[str] = field(default_factory=list)
@@ -108,7 +116,7 @@ class ReconcileReport:
         return ", ".join(parts) if parts else "nothing to do"
 
 
-# =========================================================================== translations between the layers
+# =========================================================================== helpers
 
 
 def new_slot_id() -> str:
@@ -116,59 +124,11 @@ def new_slot_id() -> str:
     return "s" + secrets.token_hex(6)
 
 
-def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
-    """What isolation must build for ``slot``: its assignment, devices resolved to their nodes under /dev."""
-    a = _assignment(slot)
-    res = slot.request.resources
-    quota = a.cpu_quota_millis / 1000 if slot.qos == "burstable" and a.cpu_quota_millis else None
-    devices = assigned_device_nodes(
-        topology,
-        gpus=(*a.gpus, *(share.gpu_index for share in a.gpu_shares)),
-        mig=[(m.gpu_index, m.gpu_instance_id, m.compute_instance_id) for m in a.mig],
-        fpgas=a.fpgas,
-        named=[d.path for d in a.devices],
-    )
-    return SlotIsolationSpec(
-        slot_id=slot.id,
-        qos=slot.request.qos,
-        cpus=frozenset(a.cpus),
-        exclusive=a.exclusive,
-        mems=frozenset(a.numa_nodes) if a.memory_by_node else None,
-        cpu_quota=quota,
-        memory_bytes=a.memory_bytes or None,
-        device_paths=devices,
-        gpu=bool(a.gpus or a.mig or a.gpu_shares),
-        network=None if res.network is None else SlotNetworkSpec(res.network.bandwidth_mbit),
-        l3=res.l3_share,
-    )
-
-
-def slot_description(slot: Slot, shared_pool: frozenset[int]) -> SlotDescription:
-    """The slot as its worker sees it (the slot file and the thread-count environment)."""
-    a = _assignment(slot)
-    network = slot.network
-    return SlotDescription(
-        slot_id=slot.id,
-        cpus=a.cpus if a.exclusive else tuple(sorted(shared_pool)),
-        numa_nodes=a.numa_nodes,
-        memory_bytes=a.memory_bytes or None,
-        gpus=tuple(u if u is not None else str(i) for i, u in zip(a.gpus, a.gpu_uuids, strict=False)),
-        devices=tuple(d.path for d in a.devices),
-        addresses=() if network is None else (str(network.slot_address),),
-        cpu_quota=None if a.exclusive else a.cpu_quota_millis / 1000,
-    )
-
-
-def _assignment(slot: Slot) -> Assignment:
-    if slot.assignment is None:
-        raise InvalidRequest(f"slot {slot.id} has no assignment")
-    return slot.assignment
-
-
 def _describe(a: Assignment) -> str:
     cpus = f"CPUs {list(a.cpus)}" if a.exclusive else f"{a.cpu_quota_millis / 1000:g} CPU quota"
     extra = f", GPUs {list(a.gpus)}" if a.gpus else ""
     return f"{cpus} on NUMA {list(a.numa_nodes)}, {a.memory_bytes} bytes{extra}"
+
 
 
 # =========================================================================== the manager
@@ -188,8 +148,10 @@ class SlotManager:
         node_id: str | None = None,
         allow_unisolated: bool = False,
         tick_seconds: float = 0.5,
+        recovery: RecoveryMode = RecoveryMode.REFUSE,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``recovery``: what start-up does with busy slots the database does not name (agent.recovery)."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -197,6 +159,7 @@ class SlotManager:
         self._options = options or PlacementOptions()
         self._node_id = node_id or socket.gethostname()
         self._allow_unisolated = allow_unisolated
+        self._recovery = recovery
         self._clock = clock
         self._started_at = clock()
         self._lock = threading.RLock()
@@ -288,6 +251,7 @@ class SlotManager:
             resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
         self._check_isolation()
         with self._lock:
+            self._store.check_space()
             existing = self._store.find_slot(req.name)
             if existing is not None:
                 if existing.state == SlotState.FAILED:
@@ -299,6 +263,10 @@ class SlotManager:
                     )
                 elif existing.state == SlotState.RELEASING:
                     raise Conflict(f"slot {req.name!r} is being released; retry once it is gone")
+                elif existing.state == SlotState.PENDING:
+                    # Only an allocate that failed half-way (its "ready" could not be written) leaves a
+                    # pending row behind while the agent runs: the client's retry finishes it.
+                    return self._finish_allocate(existing, req)
                 else:
                     return AllocateResult(self._view(existing), created=False)
             assignment = plan(self._topology, self._ledger, req, self._options)
@@ -318,9 +286,12 @@ class SlotManager:
                     "allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id
                 )
             self._ledger = self._ledger.add(assignment)
-            slot = self._finish_pending(slot, worker=req.worker)
-            if req.worker is not None:
-                self._launch_worker(slot, req.worker)
+            return self._finish_allocate(slot, req)
+
+    def _finish_allocate(self, pending: Slot, req: SlotRequest) -> AllocateResult:
+        slot = self._finish_pending(pending, worker=req.worker)
+        if req.worker is not None:
+            self._launch_worker(slot, req.worker)
         self._notify()
         return AllocateResult(self._view(self._slot(slot.id)), created=True)
 
@@ -340,11 +311,21 @@ class SlotManager:
         except NodeAgentError as err:
             self._fail(slot, f"isolation failed: {err}")
             raise
-        with self._store.transaction():
-            ready = self._store.update_slot(dataclasses.replace(slot, state=SlotState.READY, applied=applied))
-            if worker is not None:
-                # Before the launch: a worker the database does not name would be an orphan after a crash.
-                self._store.put_worker(Worker(slot_id=slot.id, spec=worker, desired="running"))
+        try:
+            with self._store.transaction():
+                ready = self._store.update_slot(
+                    dataclasses.replace(slot, state=SlotState.READY, applied=applied)
+                )
+                if worker is not None:
+                    # Before the launch: a worker the database does not name would be an orphan
+                    # after a crash.
+                    self._store.put_worker(Worker(slot_id=slot.id, spec=worker, desired="running"))
+        except InsufficientStorage:
+            # The kernel objects go again; the row stays pending (deleting it needs space too),
+            # holding its resources, so the client's retry of the same request finishes it.
+            with contextlib.suppress(NodeAgentError):
+                self._isolation.release(slot.id)
+            raise
         return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
@@ -379,11 +360,12 @@ class SlotManager:
 
     def resize(self, slot_id: str, patch: ResourceChanges) -> Slot:
         with self._lock:
+            self._store.check_space()
             slot = self._slot(slot_id)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; only ready or running slots resize")
             new_request = apply_patch(slot.request, patch)
-            old = _assignment(slot)
+            old = assignment_of(slot)
             without = self._ledger.remove(old)
             new = plan(self._topology, without, new_request, self._options)
             resized = self._store.update_slot(dataclasses.replace(slot, request=new_request, assignment=new))
@@ -447,6 +429,7 @@ class SlotManager:
             resolve(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
+            self._store.check_space()
             current = self._loop.get(slot.id)
             if current is not None and current.phase in ALIVE_PHASES:
                 stored = self._store.get_worker(slot.id)
@@ -520,6 +503,7 @@ class SlotManager:
             self._ready = False
             isolated = not self._isolation.degraded()
             if isolated:
+                self._account_for_busy_slots(report)
                 # Orphans first: a leftover shared-slot cgroup (say of a slot that failed mid-rollback)
                 # would otherwise make the pool impossible to set up before anything else can run.
                 known = {s.id for s in self._store.list_slots() if s.holding}
@@ -544,6 +528,41 @@ class SlotManager:
         log.info("reconcile done", extra={"report": report.to_dict()})
         self._notify()
         return report
+
+    def _account_for_busy_slots(self, report: ReconcileReport) -> None:
+        """Refuse to start, or rebuild, where the kernel runs slots the database does not name."""
+        owned = {o.slot_id: o for o in self._isolation.owned_slots()}
+        evidence = Evidence(busy={o.slot_id: o.pids for o in owned.values() if o.pids}, cgroups=owned.keys())
+        known = {s.id for s in self._store.list_slots()}
+        decision = decide(evidence, known, self._recovery, self._store.path)
+        for slot_id in decision.rebuild:
+            self._rebuild(owned[slot_id], report)
+        if decision.discard:
+            log.warning("discarding unexplained slots", extra={"slots": list(decision.discard)})
+
+    def _rebuild(self, owned: OwnedSlot, report: ReconcileReport) -> None:
+        """A slot the database lost, back from its manifest, or from its cgroup when it has none."""
+        manifest = self._store.manifests.read(owned.slot_id) if self._store.manifests else None
+        worker = None
+        try:
+            if manifest is not None:
+                slot = slot_from_record(manifest)
+                stored = manifest.get("worker")
+                worker = None if stored is None else worker_from_record(slot.id, stored)
+                how = "from its manifest"
+            else:
+                slot = slot_from_kernel(owned)
+                how = "from its cgroup (no manifest: its worker is unsupervised; release the slot to end it)"
+        except (NodeAgentError, KeyError, TypeError, ValueError) as err:
+            slot = slot_from_kernel(owned)
+            how = f"from its cgroup (its manifest is unreadable: {err})"
+        with self._store.transaction():
+            self._store.insert_slot(slot)
+            if worker is not None:
+                self._store.put_worker(worker)
+            self._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
+        report.recovered.append(slot.name)
+        log.warning("slot recovered", extra={"slot": slot.id, "how": how})
 
     def _build_ledger(self, report: ReconcileReport) -> Allocated:
         ledger = Allocated()
@@ -634,4 +653,4 @@ class SlotManager:
                 log.exception("subscriber failed")
 
 
-__all__ = ["ReconcileReport", "SlotManager", "isolation_spec", "new_slot_id", "slot_description"]
+__all__ = ["ReconcileReport", "SlotManager", "new_slot_id"]

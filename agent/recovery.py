@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.slot import Slot
-from nodeagent.errors import NodeAgentError, translate_os_error
+from nodeagent.errors import NO_SPACE, InsufficientStorage, NodeAgentError, translate_os_error
 
 
 class RecoveryMode(enum.StrEnum):
@@ -101,6 +101,11 @@ class Manifests:
             tmp.write_text(json.dumps(record, sort_keys=True))
             os.replace(tmp, path)
         except OSError as err:
+            if err.errno in NO_SPACE:
+                raise InsufficientStorage(
+                    f"the state directory {self.directory.parent} is full: cannot write the slot manifest "
+                    f"{path} ({err.strerror}); free space there, then retry"
+                ) from err
             raise translate_os_error(f"write the slot manifest {path}", err) from err
 
     def remove(self, slot_id: str) -> None:

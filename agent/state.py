@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any
 
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import InsufficientStorage, NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
 from nodeagent.runtime.supervisor import WorkerStatus
@@ -85,6 +86,12 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX events_by_slot ON events(slot_id, id);
     """,
 )
+
+#: Bytes the WAL is truncated to after a checkpoint.
+WAL_SIZE_LIMIT = 4 * 1024 * 1024
+#: Below this much free space in the state directory, operations that grow the state are refused
+#: before they change anything (507): an allocate then never stops half-way for want of a page.
+MIN_FREE_BYTES = 16 * 1024 * 1024
 
 #: Keep the event log bounded: older events are dropped beyond this many.
 MAX_EVENTS = 10_000
@@ -185,6 +192,9 @@ class StateStore:
             # 256 KiB of page cache instead of 2 MiB: the database is small and read mostly at
             # start-up, and the daemon's memory is part of every host's bill (bench/api.py).
             self._db.execute("PRAGMA cache_size=-256")
+            # After a checkpoint the WAL is cut back to this size instead of keeping its peak: a WAL
+            # grown while the disk filled up would otherwise keep the space when it frees up.
+            self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._migrate()
         except sqlite3.Error as err:
             raise StateError(
@@ -237,20 +247,22 @@ class StateStore:
                     self._durable = durable
                 self._db.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as err:
-                raise StateError(f"cannot write the state database {self.path}: {err}") from err
+                raise self._write_error(err) from err
             self._depth = 1
             try:
                 yield
             except BaseException:
                 self._depth = 0
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
+                    self._db.execute("ROLLBACK")
                 raise
             self._depth = 0
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error as err:
-                self._db.execute("ROLLBACK")
-                raise StateError(f"cannot commit to the state database {self.path}: {err}") from err
+                if self._db.in_transaction:  # a failed COMMIT may already have rolled back
+                    self._db.execute("ROLLBACK")
+                raise self._write_error(err) from err
 
     def _write(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> sqlite3.Cursor:
         with self.transaction():
@@ -259,7 +271,29 @@ class StateStore:
             except sqlite3.IntegrityError as err:
                 raise StateError(f"state database refused a write ({err})") from err
             except sqlite3.Error as err:
-                raise StateError(f"cannot write the state database {self.path}: {err}") from err
+                raise self._write_error(err) from err
+
+    def _write_error(self, err: sqlite3.Error) -> NodeAgentError:
+        if getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return InsufficientStorage(
+                f"the state directory {self.path.parent} is full ({err}); nothing was changed. Free space "
+                "there, then retry"
+            )
+        return StateError(f"cannot write the state database {self.path}: {err}")
+
+    def check_space(self, minimum: int = MIN_FREE_BYTES) -> None:
+        """Refuse (InsufficientStorage) when the state directory has less than ``minimum`` bytes free."""
+        try:
+            stat = os.statvfs(self.path.parent)
+        except OSError:
+            return  # cannot tell: let the writes themselves say
+        free = stat.f_bavail * stat.f_frsize
+        if free < minimum:
+            raise InsufficientStorage(
+                f"the state directory {self.path.parent} has {free // 1024} KiB free, below the "
+                f"{minimum // (1024 * 1024)} MiB the agent keeps for its records; nothing was changed. "
+                "Free space there, then retry"
+            )
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -296,9 +330,14 @@ class StateStore:
         self._keep_manifest(changed)
         return changed
 
-    def _keep_manifest(self, slot: Slot) -> None:
-        if self.manifests is not None:
-            self.manifests.write(slot_record(slot))
+    def _keep_manifest(self, slot: Slot, worker: Worker | None = None) -> None:
+        """Rewrite the slot's manifest: its record and its worker's spec (agent.recovery)."""
+        if self.manifests is None:
+            return
+        record = slot_record(slot)
+        worker = worker or self.get_worker(slot.id)
+        record["worker"] = None if worker is None else worker_record(worker)
+        self.manifests.write(record)
 
     def delete_slot(self, slot_id: str) -> None:
         self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
@@ -322,6 +361,9 @@ class StateStore:
     def put_worker(self, worker: Worker) -> Worker:
         stored = dataclasses.replace(worker, updated_at=self._clock())
         self._write(_WORKER_UPSERT, _worker_row(stored))
+        slot = self.get_slot(worker.slot_id)
+        if slot is not None:
+            self._keep_manifest(slot, stored)
         return stored
 
     def update_worker(
@@ -336,6 +378,9 @@ class StateStore:
         assignments = ", ".join(f"{k} = :{k}" for k in values)
         sql = f"UPDATE workers SET {assignments} WHERE slot_id = :_id"  # noqa: S608
         self._write(sql, {**values, "_id": slot_id})
+        slot = self.get_slot(slot_id) if desired is not None else None
+        if slot is not None:
+            self._keep_manifest(slot)
 
     def delete_worker(self, slot_id: str) -> None:
         self._write("DELETE FROM workers WHERE slot_id = ?", (slot_id,))
@@ -445,6 +490,20 @@ def _worker_row(worker: Worker) -> tuple[Any, ...]:
     return tuple(columns[c] for c in _WORKER_COLUMNS)
 
 
+def worker_record(worker: Worker) -> dict[str, Any]:
+    """What a manifest keeps of a worker: its spec and what the operator wants of it."""
+    return {"spec": worker.spec.model_dump(mode="json", exclude_unset=True), "desired": worker.desired}
+
+
+def worker_from_record(slot_id: str, values: Mapping[str, Any]) -> Worker:
+    """Read back :func:`worker_record`."""
+    return Worker(
+        slot_id=slot_id,
+        spec=parse_worker_spec(values["spec"]),
+        desired="stopped" if values.get("desired") == "stopped" else "running",
+    )
+
+
 def _worker_from_row(row: tuple[Any, ...]) -> Worker:
     values = dict(zip(_WORKER_COLUMNS, row, strict=True))
     status = _load(values["status"])
@@ -458,4 +517,12 @@ def _worker_from_row(row: tuple[Any, ...]) -> Worker:
     )
 
 
-__all__ = ["EventRecord", "StateError", "StateStore", "slot_from_record", "slot_record"]
+__all__ = [
+    "EventRecord",
+    "StateError",
+    "StateStore",
+    "slot_from_record",
+    "slot_record",
+    "worker_from_record",
+    "worker_record",
+]

@@ -14,6 +14,7 @@
     │   ├── DeviceAccessError
     │   └── NetworkError
     ├── Unsupported            the host lacks a feature the request needs
+    ├── InsufficientStorage    the state directory's filesystem is full
     └── WorkerError            launching or supervising a worker failed
 
 Every message says what was asked, what was found and, where there is one, what to do.
@@ -84,6 +85,16 @@ class NetworkError(KernelError):
 
 class WorkerError(NodeAgentError):
     code = "worker_error"
+
+
+class InsufficientStorage(NodeAgentError):
+    """The filesystem of the state directory is full (or nearly): nothing was changed."""
+
+    code = "insufficient_storage"
+
+
+#: What a full filesystem looks like to a write: no space, or the user's quota used up.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 _HINTS = {

@@ -64,10 +64,21 @@ class DaemonProcess:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
 
-    def start(self, timeout: float = 30.0) -> httpx.Client:
-        """Start it, wait for /readyz, and return an authenticated client."""
+    def argv(self, *extra: str, url: str | None = None) -> list[str]:
         argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
-        argv += ["--listen", self.url.removeprefix("http://"), "--state-dir", str(self.state)]
+        argv += ["--listen", (url or self.url).removeprefix("http://"), "--state-dir", str(self.state)]
+        return [*argv, *extra]
+
+    def start_and_fail(self, *extra: str, url: str | None = None, timeout: float = 60.0) -> tuple[int, str]:
+        """Run ``nodeagent serve`` expecting it to refuse to start: its exit status and output."""
+        done = subprocess.run(
+            self.argv(*extra, url=url), capture_output=True, text=True, timeout=timeout, check=False
+        )
+        return done.returncode, done.stdout + done.stderr
+
+    def start(self, *extra: str, timeout: float = 30.0) -> httpx.Client:
+        """Start it, wait for /readyz, and return an authenticated client."""
+        argv = self.argv(*extra)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 

@@ -191,7 +191,7 @@ def test_example_config_in_docs_loads() -> None:
 
 
 def test_controller_settings_reach_the_reporter(tmp_path: Path) -> None:
-    from nodeagent.agent.daemon import _reporter
+    from nodeagent.agent.daemon import _reporter, controller_token
     from nodeagent.agent.metrics import Metrics
     from tests.agent.fake_service import FakeSlotService as FakeService
 
@@ -211,15 +211,18 @@ def test_controller_settings_reach_the_reporter(tmp_path: Path) -> None:
         ),
         state_dir=tmp_path,
     )
-    reporter = _reporter(config, FakeService(), Metrics())
+    reporter = _reporter(config, FakeService(), Metrics(), controller_token(config))
     assert reporter is not None
     assert reporter.config.token == "s3cret"
     assert (reporter.config.backoff_initial, reporter.config.backoff_max) == (2.0, 30.0)
     assert reporter.config.coalesce_seconds == 0.1
 
+    token.write_text("")
+    with pytest.raises(ConfigError, match=r"token_file .* is empty"):
+        controller_token(config)
     token.unlink()
     with pytest.raises(ConfigError, match="token_file"):
-        _reporter(config, FakeService(), Metrics())
+        controller_token(config)
 
 
 def test_no_controller_url_means_no_reporter(tmp_path: Path) -> None:
@@ -228,4 +231,4 @@ def test_no_controller_url_means_no_reporter(tmp_path: Path) -> None:
     from tests.agent.fake_service import FakeSlotService as FakeService
 
     config = apply_overrides(parse_config({}), state_dir=tmp_path)
-    assert _reporter(config, FakeService(), Metrics()) is None
+    assert _reporter(config, FakeService(), Metrics(), None) is None

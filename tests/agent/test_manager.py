@@ -3,6 +3,7 @@ reconcile of every crash state (pending, releasing, orphans, vanished cgroup, de
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import signal
 from collections.abc import Callable, Collection, Iterator
@@ -13,11 +14,12 @@ from typing import Any
 import pytest
 
 from nodeagent.agent.manager import SlotManager
+from nodeagent.agent.recovery import Manifests, RecoveryMode, UnexplainedSlots
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
-from nodeagent.isolation.backend import NoIsolation
+from nodeagent.isolation.backend import NoIsolation, OwnedSlot
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.isolation.spec import SlotIsolationSpec
@@ -107,21 +109,8 @@ class FakeIsolation:
         self.world.cgroups[spec.slot_id] = body
         if name in self.world.fail_apply_late:
             raise CgroupError(f"cannot write memory limit of {spec.slot_id}")
-        return AppliedSlot(
-            slot_id=spec.slot_id,
-            qos=spec.qos,
-            cgroup=body["cgroup"],
-            cgroup_version="v1",
-            procs_files=(f"/fake/{spec.slot_id}/cgroup.procs",),
-            oom_events=None,
-            cpus=spec.cpus,
-            mems=spec.mems,
-            memory_max=spec.memory_bytes,
-            sched_idle=False,
-            oom_score_adj=0,
-            device_rules=(),
-            network=network,
-        )
+        applied = fake_applied(spec.slot_id, spec.qos, spec.cpus)
+        return dataclasses.replace(applied, mems=spec.mems, memory_max=spec.memory_bytes, network=network)
 
     def exists(self, applied: AppliedSlot) -> bool:
         return applied.slot_id in self.world.cgroups
@@ -135,6 +124,16 @@ class FakeIsolation:
         if process is not None and process.exit is None:
             process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
 
+    def owned_slots(self) -> list[OwnedSlot]:
+        owned = []
+        for slot_id, body in self.world.cgroups.items():
+            process = self.world.processes.get(slot_id)
+            pids = (process.pid,) if process is not None and process.exit is None else ()
+            qos = "guaranteed" if body.get("exclusive") else "burstable"
+            applied = fake_applied(slot_id, qos, frozenset(body["cpus"]))
+            owned.append(OwnedSlot(slot_id, qos, applied, pids))
+        return owned
+
     def remove_orphans(self, keep: Collection[str]) -> list[str]:
         gone = [s for s in self.world.cgroups if s not in keep]
         for slot_id in gone:
@@ -142,6 +141,23 @@ class FakeIsolation:
         stray = [n for n in self.world.netns if n not in keep]
         self.world.netns -= set(stray)
         return [f"cgroup {s}" for s in gone] + [f"netns {n}" for n in stray]
+
+
+def fake_applied(slot_id: str, qos: str, cpus: frozenset[int]) -> AppliedSlot:
+    return AppliedSlot(
+        slot_id=slot_id,
+        qos=qos,
+        cgroup=f"test.slice/{slot_id}",
+        cgroup_version="v1",
+        procs_files=(f"/fake/{slot_id}/cgroup.procs",),
+        oom_events=None,
+        cpus=cpus,
+        mems=None,
+        memory_max=None,
+        sched_idle=False,
+        oom_score_adj=0,
+        device_rules=(),
+    )
 
 
 def fake_network(slot_id: str) -> SlotNetwork:
@@ -237,12 +253,17 @@ def world() -> World:
 def make(tmp_path: Path, world: World) -> Iterator[Any]:
     managers: list[SlotManager] = []
 
-    def build(kernel: Any = None) -> SlotManager:
-        store = StateStore(tmp_path / "state.db")
+    def build(kernel: Any = None, recovery: RecoveryMode = RecoveryMode.REFUSE) -> SlotManager:
+        store = StateStore(tmp_path / "state.db", manifests=Manifests(tmp_path / "slots"))
         isolation = kernel or FakeIsolation(world, names=lambda slot_id: store_name(store, slot_id))
-        manager = SlotManager(store, TOPOLOGY, isolation, FakeRuntime(world))
+        manager = SlotManager(store, TOPOLOGY, isolation, FakeRuntime(world), recovery=recovery)
         managers.append(manager)
-        manager.start(supervise=False)
+        try:
+            manager.start(supervise=False)
+        except BaseException:
+            store.close()
+            managers.remove(manager)
+            raise
         return manager
 
     yield build
@@ -596,3 +617,81 @@ def test_assignment_round_trip_is_what_the_ledger_reads() -> None:
     record = planned("web", "ready", "sa")
     assert record.assignment is not None
     assert Assignment.from_dict(record.assignment.to_dict()) == record.assignment
+
+
+# --------------------------------------------------------------------------- start-up with a lost database
+
+
+def lose_the_database(tmp_path: Path, *, manifests_too: bool = False) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"state.db{suffix}").unlink(missing_ok=True)
+    if manifests_too:
+        for manifest in (tmp_path / "slots").glob("*.json"):
+            manifest.unlink()
+
+
+def running_slot(make: Any) -> Slot:
+    first = make()
+    slot = first.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot
+    first.close()
+    return slot
+
+
+def test_a_busy_slot_the_database_does_not_name_stops_the_start_and_is_left_alone(
+    tmp_path: Path, make: Any, world: World
+) -> None:
+    slot = running_slot(make)
+    lose_the_database(tmp_path)
+    with pytest.raises(UnexplainedSlots, match=r"missing or empty.*--recover.*--discard-orphans"):
+        make()
+    assert slot.id in world.cgroups
+    assert world.processes[slot.id].exit is None  # its worker was not killed
+
+
+def test_recover_rebuilds_a_lost_slot_from_its_manifest_and_readopts_its_worker(
+    tmp_path: Path, make: Any, world: World
+) -> None:
+    slot = running_slot(make)
+    lose_the_database(tmp_path)
+    manager = make(recovery=RecoveryMode.RECOVER)
+    assert manager.report.recovered == ["web"]
+    assert manager.report.workers_adopted == ["web"]
+    again = manager.get_slot("web")
+    assert (again.id, again.assignment, again.request) == (slot.id, slot.assignment, slot.request)
+    assert world.processes[slot.id].exit is None
+    assert world.launches == [slot.id]  # adopted, not launched again
+
+
+def test_recover_without_a_manifest_rebuilds_the_slot_from_its_cgroup(
+    tmp_path: Path, make: Any, world: World
+) -> None:
+    slot = running_slot(make)
+    assert slot.assignment is not None
+    lose_the_database(tmp_path, manifests_too=True)
+    manager = make(recovery=RecoveryMode.RECOVER)
+    again = manager.get_slot(slot.id)
+    assert again.name == f"recovered-{slot.id}"
+    assert again.assignment is not None
+    assert again.assignment.cpus == slot.assignment.cpus  # its CPUs stay held
+    assert world.processes[slot.id].exit is None
+    with pytest.raises(PlacementError):  # ... so nobody else gets them
+        manager.allocate(parse_slot_request(guaranteed("other", cpus=len(TOPOLOGY.cpus) - 1)))
+    manager.release(slot.id)
+    assert slot.id not in world.cgroups
+
+
+def test_discard_orphans_removes_them_and_what_runs_there(tmp_path: Path, make: Any, world: World) -> None:
+    slot = running_slot(make)
+    lose_the_database(tmp_path)
+    manager = make(recovery=RecoveryMode.DISCARD)
+    assert slot.id not in world.cgroups
+    assert world.processes[slot.id].exit is not None
+    assert manager.list_slots() == []
+
+
+def test_empty_leftovers_of_a_crash_are_removed_without_asking(
+    tmp_path: Path, make: Any, world: World
+) -> None:
+    world.cgroups["sempty"] = {"cgroup": "test.slice/sempty", "cpus": []}
+    manager = make()
+    assert manager.report.orphans_removed == ["cgroup sempty"]

@@ -1,0 +1,116 @@
+"""Start-up checks everything it can before it touches the kernel, and never destroys what it cannot
+explain: one agent per state directory, bad configuration and a busy port stop the start before any
+cgroup exists, and slots the database lost are kept until the operator says what to do with them."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent.config import apply_overrides, parse_config
+from nodeagent.agent.daemon import build_isolation
+from nodeagent.cgroups import detect
+from nodeagent.devices.discovery import discover
+from nodeagent.isolation.backend import KernelIsolation
+from tests.daemon import DaemonProcess, free_port
+
+pytestmark = [pytest.mark.root]
+
+PARENT = f"natest{os.getpid()}s.slice"
+WORKER = {"command": ["/bin/sleep", "600"], "restart": "always", "stop_grace_seconds": 1}
+
+
+def cgroup_parent_exists() -> bool:
+    return any(Path(root, PARENT).exists() for root in Path("/sys/fs/cgroup").iterdir() if root.is_dir())
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\n')
+    yield d
+    d.stop()
+    cfg = apply_overrides(parse_config({"isolation": {"cgroup_parent": PARENT}}), state_dir=d.state)
+    isolation = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+    if isinstance(isolation, KernelIsolation):
+        isolation.isolator.remove_all()  # kills what the test left in its slots
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_a_second_agent_on_the_same_state_directory_stops_at_once_naming_the_first(
+    daemon: DaemonProcess,
+) -> None:
+    client = daemon.start()
+    client.post("/v1/slots", json={"name": "a", "qos": "burstable", "resources": {"cpus": 0.1}})
+    events_before = client.get("/v1/slots/a").json()["updated_at"]
+    code, output = daemon.start_and_fail(url=f"http://127.0.0.1:{free_port()}")
+    assert code != 0
+    assert f"another nodeagent (pid {daemon.pid}) is using the state directory" in output
+    assert client.get("/v1/slots/a").json()["updated_at"] == events_before  # nothing reconciled twice
+    client.close()
+
+
+def test_a_bad_controller_token_file_stops_the_start_before_any_cgroup_exists(tmp_path: Path) -> None:
+    config = f'[isolation]\ncgroup_parent = "{PARENT}"\n[controller]\nurl = "http://127.0.0.1:9/v1"\n'
+    config += f'token_file = "{tmp_path}/missing-token"\n'
+    daemon = DaemonProcess(tmp_path / "d", config)
+    code, output = daemon.start_and_fail()
+    assert code != 0
+    assert "token_file" in output
+    assert "Traceback" not in output
+    assert not cgroup_parent_exists()
+
+
+def test_a_busy_port_stops_the_start_before_any_cgroup_exists(tmp_path: Path) -> None:
+    daemon = DaemonProcess(tmp_path / "d", f'[isolation]\ncgroup_parent = "{PARENT}"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, output = daemon.start_and_fail(url=f"http://127.0.0.1:{taken.getsockname()[1]}")
+    assert code != 0
+    assert "listen on" in output
+    assert "Traceback" not in output
+    assert not cgroup_parent_exists()
+
+
+def test_an_empty_token_file_is_replaced_whole(daemon: DaemonProcess) -> None:
+    daemon.state.mkdir(parents=True, exist_ok=True)
+    daemon.token_file.write_text("")
+    client = daemon.start()
+    assert len(daemon.token_file.read_text().strip()) >= 32
+    assert client.get("/v1/node").status_code == 200
+    client.close()
+
+
+def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(daemon: DaemonProcess) -> None:
+    client = daemon.start()
+    body = {"name": "web", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}, "worker": WORKER}
+    assert client.post("/v1/slots", json=body).status_code == 201
+    pid = client.get("/v1/slots/web").json()["worker"]["pid"]
+    client.close()
+    daemon.stop()
+    for suffix in ("", "-wal", "-shm"):
+        (daemon.state / f"state.db{suffix}").unlink(missing_ok=True)
+
+    code, output = daemon.start_and_fail()
+    assert code != 0
+    assert "--recover" in output
+    assert "--discard-orphans" in output
+    assert alive(pid)
+
+    client = daemon.start("--recover")
+    slot = client.get("/v1/slots/web").json()
+    assert slot["worker"]["pid"] == pid
+    assert alive(pid)
+    assert client.delete("/v1/slots/web").status_code == 204
+    client.close()
