@@ -427,13 +427,30 @@ async def _on_validation_error(request: Request, err: RequestValidationError) ->
     return error_response(422, "invalid_request", describe_validation_errors(problems, body))
 
 
-async def _on_http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
     code = _CODE_BY_STATUS.get(err.status_code, "http_error")
-    message = {
-        404: "no such path; see /openapi.json for this API's paths",
-        405: "this path does not take that method",
-    }.get(err.status_code, str(err.detail))
-    return error_response(err.status_code, code, message, err.headers)
+    headers = dict(err.headers or {})
+    if err.status_code == 405:
+        # Starlette's Allow names the methods of the one route it matched first; a path served by
+        # several routes (GET, PATCH and DELETE of a slot) takes all of theirs.
+        allowed = _methods_of(request.scope)
+        headers["Allow"] = ", ".join(allowed)
+        message = f"{request.method} is not one of this path's methods ({', '.join(allowed)})"
+    else:
+        message = {404: "no such path; see /openapi.json for this API's paths"}.get(
+            err.status_code, str(err.detail)
+        )
+    return error_response(err.status_code, code, message, headers)
+
+
+def _methods_of(scope: Scope) -> list[str]:
+    """Every method some route of the app serves at the request's path."""
+    methods: set[str] = set()
+    for route in getattr(scope.get("app"), "routes", ()):
+        match, _ = route.matches({**scope, "type": "http", "method": "GET"})
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 async def _on_unexpected(_request: Request, err: Exception) -> JSONResponse:
@@ -459,7 +476,8 @@ def describe_validation_errors(
 
 
 class _BodyLimit:
-    """Reads the body up to ``max_bytes`` (413 beyond), then hands it on unchanged."""
+    """Reads the body up to ``max_bytes`` (413 beyond), refuses JSON that Python's parser would
+    silently bend (:func:`json_ambiguity`: 422), then hands it on unchanged."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -487,11 +505,54 @@ class _BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        problem = json_ambiguity(body) if body and _is_json(scope) else None
+        if problem is not None:
+            await error_response(422, "invalid_request", f"body: {problem}")(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the body is larger than {self.max_bytes} bytes; slot requests are a few KiB"
         await error_response(413, "body_too_large", message, {"Connection": "close"})(scope, receive, send)
+
+
+class _Ambiguous(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise _Ambiguous(f"key {key!r} appears twice in one object; send each key once")
+        body[key] = value
+    return body
+
+
+def _exact_float(text: str) -> float:
+    value = float(text)
+    if value == 0 and any(c in "123456789" for c in text.split("e", maxsplit=1)[0].split("E", maxsplit=1)[0]):
+        raise _Ambiguous(f"the number {text} is too small to be told from 0; send 0 or a larger number")
+    return value
+
+
+def json_ambiguity(body: bytes) -> str | None:
+    """What in a JSON body a plain parse would silently bend: a key given twice (the last one would
+    win) or a non-zero number that underflows to 0 (1e-400). None when there is nothing, or when
+    the body is not JSON at all (that answer, 400, is the framework's)."""
+    try:
+        json.loads(body, object_pairs_hook=_no_duplicate_keys, parse_float=_exact_float)
+    except _Ambiguous as err:
+        return str(err)
+    except ValueError:
+        return None
+    return None
+
+
+def _is_json(scope: Scope) -> bool:
+    content_type = _header(scope, b"content-type") or ""
+    return content_type.split(";")[0].strip().lower() in ("application/json", "")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -31,8 +31,9 @@ UNITS = {
     "Pi": 2**50,
     "Ei": 2**60,
 }
-QUANTITY_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([kKMGTPE]i?)?\s*$"
-_QUANTITY = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKMGTPE]i?)?\s*")
+# "k" is only decimal: the binary unit is "Ki" (Kubernetes spells them the same way).
+QUANTITY_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*(k|[KMGTPE]i?)?\s*$"
+_QUANTITY = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(k|[KMGTPE]i?)?\s*")
 MILLIS_PATTERN = r"^[0-9]+m$"
 
 

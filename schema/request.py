@@ -121,14 +121,17 @@ Bytes = Annotated[
         {
             "description": 'Bytes, or a quantity such as "512Mi", "4Gi", "1G".',
             "oneOf": [
-                {"type": "integer", "minimum": 0, "maximum": MAX_BYTES},
+                # The largest multiple of 1024 below 2^63: exact as a double too, so generators
+                # that pass the bound through a float stay inside it.
+                {"type": "integer", "minimum": 0, "maximum": MAX_BYTES - 1023},
                 {"type": "string", "pattern": QUANTITY_PATTERN},
             ],
         }
     ),
 ]
 DeviceCount = Annotated[int, Field(ge=0, le=MAX_DEVICES)]
-DevicePath = Annotated[str, AfterValidator(_device_path)]
+_DEVICE_PATH_JSON = {"type": "string", "pattern": "^(?!.*/\\.\\.(/|$))/dev(/[A-Za-z0-9._+-]+)+$"}
+DevicePath = Annotated[str, AfterValidator(_device_path), WithJsonSchema(_DEVICE_PATH_JSON)]
 
 
 # --------------------------------------------------------------------------- models
@@ -160,7 +163,14 @@ class Resources(StrictModel):
         description="A fraction of one shareable GPU (0 to 1); not combined with gpus or gpu_profile.",
     )
     fpgas: DeviceCount = 0
-    devices: Annotated[tuple[DevicePath, ...], AsTuple, Field(max_length=MAX_DEVICES)] = Field(
+    devices: Annotated[
+        tuple[DevicePath, ...],
+        AsTuple,
+        Field(max_length=MAX_DEVICES),
+        WithJsonSchema(
+            {"type": "array", "items": _DEVICE_PATH_JSON, "maxItems": MAX_DEVICES, "uniqueItems": True}
+        ),
+    ] = Field(
         default=(),
         description="Device paths under /dev the slot may use (they must be in the agent's allow-list).",
     )

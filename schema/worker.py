@@ -11,7 +11,7 @@ import enum
 import resource
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, WithJsonSchema, model_validator
 
 from nodeagent.schema.base import AsTuple, StrictModel
 from nodeagent.schema.errors import invalid_request
@@ -92,8 +92,7 @@ def _rlimits(value: Any) -> Any:
     for name, given in value.items():
         number = getattr(resource, f"RLIMIT_{name.upper()}", None) if isinstance(name, str) else None
         if not isinstance(number, int):
-            known = sorted(n[7:].lower() for n in dir(resource) if n.startswith("RLIMIT_"))
-            raise ValueError(f"unknown rlimit {shown(name)}; use one of {', '.join(known)}")
+            raise ValueError(f"unknown rlimit {shown(name)}; use one of {', '.join(RLIMIT_NAMES)}")
         pair = [given, given] if isinstance(given, int) and not isinstance(given, bool) else given
         if (
             not isinstance(pair, list | tuple)
@@ -121,7 +120,23 @@ def _restart(value: Any) -> Any:
 
 
 Port = Annotated[int, Field(ge=1, le=65535, description="A TCP port.")]
-Argv = Annotated[tuple[str, ...], AsTuple, BeforeValidator(_not_a_shell_line), AfterValidator(_argv)]
+#: The resource limits setrlimit(2) knows here, by their lower-case names ("nofile").
+RLIMIT_NAMES = sorted(name[7:].lower() for name in dir(resource) if name.startswith("RLIMIT_"))
+_NO_NUL = "^[^\\u0000]*$"
+Argv = Annotated[
+    tuple[str, ...],
+    AsTuple,
+    BeforeValidator(_not_a_shell_line),
+    AfterValidator(_argv),
+    WithJsonSchema(
+        {
+            "type": "array",
+            "minItems": 1,
+            "prefixItems": [{"type": "string", "minLength": 1, "pattern": _NO_NUL}],
+            "items": {"type": "string", "pattern": _NO_NUL},
+        }
+    ),
+]
 Principal = Annotated[str, Field(min_length=1, max_length=256)] | Annotated[int, Field(ge=0, le=MAX_ID)]
 Period = Annotated[float, Field(ge=0.01, le=MAX_PERIOD_SECONDS)]
 Delay = Annotated[float, Field(ge=0, le=MAX_DELAY_SECONDS)]
@@ -133,7 +148,7 @@ Count = Annotated[int, Field(ge=1, le=1000)]
 
 class HttpCheck(StrictModel):
     port: Port
-    path: Annotated[str, AfterValidator(_url_path)] = Field(
+    path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")] = Field(
         default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy."
     )
 
@@ -196,10 +211,20 @@ class WorkerSpec(StrictModel):
         default=None,
         description="argv of the worker (not a shell line); optional with a preset that knows it.",
     )
-    env: Annotated[dict[str, str], AfterValidator(_env)] = Field(
+    env: Annotated[
+        dict[str, str],
+        AfterValidator(_env),
+        WithJsonSchema(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[^=\\u0000]+$"},
+                "additionalProperties": {"type": "string", "pattern": _NO_NUL},
+            }
+        ),
+    ] = Field(
         default_factory=dict, description="Added to the slot's environment; wins over the agent's wiring."
     )
-    workdir: Annotated[str, AfterValidator(_absolute)] | None = None
+    workdir: Annotated[str, AfterValidator(_absolute), Field(pattern="^/[^\\u0000]*$")] | None = None
     user: Principal | None = Field(default=None, description="A user name or uid to run as.")
     group: Principal | None = Field(default=None, description="A group name or gid (default: the user's).")
     supplementary_groups: Annotated[tuple[Principal, ...], AsTuple] = ()
@@ -209,7 +234,27 @@ class WorkerSpec(StrictModel):
     stop_grace_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
         default=30.0, description="After SIGTERM, how long before the slot's processes are killed."
     )
-    rlimits: Annotated[dict[str, tuple[int, int]], BeforeValidator(_rlimits)] = Field(
+    rlimits: Annotated[
+        dict[str, tuple[int, int]],
+        BeforeValidator(_rlimits),
+        WithJsonSchema(
+            {
+                "type": "object",
+                "propertyNames": {"enum": RLIMIT_NAMES},
+                "additionalProperties": {
+                    "oneOf": [
+                        {"type": "integer", "minimum": -1},
+                        {
+                            "type": "array",
+                            "prefixItems": [{"type": "integer", "minimum": -1}] * 2,
+                            "minItems": 2,
+                            "maxItems": 2,
+                        },
+                    ]
+                },
+            }
+        ),
+    ] = Field(
         default_factory=dict,
         description='Resource limits by lower-case name: {"nofile": [4096, 8192]} or {"nofile": 4096}; '
         "-1 is unlimited.",

@@ -508,3 +508,49 @@ def test_metrics_registries_are_private() -> None:
     a, b = Metrics(), Metrics()
     a.reporter_failures.inc()
     assert b"nodeagent_reporter_failures_total 0.0" in b.render()[0]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        pytest.param(
+            b'{"name": "a", "name": "b", "qos": "burstable"}', "key 'name' appears twice", id="duplicate-top"
+        ),
+        pytest.param(
+            b'{"name": "a", "qos": "burstable", "resources": {"cpus": 1, "cpus": 2}}',
+            "key 'cpus' appears twice",
+            id="duplicate-nested",
+        ),
+        pytest.param(
+            b'{"name": "a", "qos": "burstable", "resources": {"cpus": 1e-400}}',
+            "1e-400 is too small to be told from 0",
+            id="underflow",
+        ),
+    ],
+)
+def test_json_a_plain_parser_would_bend_is_refused_and_changes_nothing(raw: bytes, message: str) -> None:
+    service = FakeSlotService()
+    app = create_app(service, token=TOKEN)
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://agent", headers=AUTH) as c:
+            return await c.post("/v1/slots", content=raw, headers={"Content-Type": "application/json"})
+
+    response = asyncio.run(call())
+    assert response.status_code == 422
+    assert message in response.json()["error"]["message"]
+    assert service.calls == []
+
+
+def test_a_405_lists_every_method_of_the_path() -> None:
+    app = create_app(FakeSlotService(), token=TOKEN)
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://agent", headers=AUTH) as c:
+            return await c.put("/v1/slots/a")
+
+    response = asyncio.run(call())
+    assert response.status_code == 405
+    assert set(response.headers["allow"].split(", ")) >= {"GET", "PATCH", "DELETE"}

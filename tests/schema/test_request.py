@@ -49,6 +49,7 @@ def test_parse_quantity_accepts(text: Any, expected: int) -> None:
         pytest.param(True, "must be a byte count", id="bool"),
         pytest.param(1.5, "must be a byte count", id="float"),
         pytest.param("", "is not a quantity", id="empty"),
+        pytest.param("1ki", "is not a quantity", id="lower-case-binary-kilo"),
     ],
 )
 def test_parse_quantity_refuses(value: Any, message: str) -> None:
