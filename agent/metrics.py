@@ -196,7 +196,16 @@ def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:
         for resource, figures in _items(resources):
             for kind, value in _kinds(figures):
                 numa.add_metric((node, resource, kind), value)
-    return [host, numa]
+    qos = GaugeMetricFamily(
+        f"{PREFIX}_qos_allocated",
+        "What each QoS class holds: slots, CPUs (exclusive, or shared-pool quota) and memory bytes.",
+        labels=("qos", "resource"),
+    )
+    for name, figures in _items(capacity.get("by_qos")):
+        for resource, value in _items(figures):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                qos.add_metric((name, resource), float(value))
+    return [host, numa, qos]
 
 
 def _items(obj: Any) -> list[tuple[str, Any]]:

@@ -13,7 +13,7 @@ from nodeagent.placement.index import PlacementIndex, UsableCpus, placement_inde
 from nodeagent.placement.ledger import Allocated
 from nodeagent.placement.options import PlacementOptions
 from nodeagent.placement.planner import plan
-from nodeagent.schema.request import MILLI, SlotRequest, parse_slot_request
+from nodeagent.schema.request import MILLI, QOS_CLASSES, SlotRequest, parse_slot_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,17 +36,26 @@ class ResourceCapacity:
 
 @dataclass(frozen=True)
 class Capacity:
-    """Totals, reserved, allocatable, allocated and free per resource, host-wide and per NUMA node."""
+    """Totals, reserved, allocatable, allocated and free per resource, host-wide and per NUMA node,
+    and what each QoS class holds.
+
+    Host-wide memory counts every slot's memory, bound to a node or not: what placement checks a
+    request against. Per node, only memory bound to that node is counted (unbound memory has no
+    node); ``resources.memory_bytes.allocated`` is their sum plus the unbound memory.
+    """
 
     resources: Mapping[str, ResourceCapacity]
     by_numa: Mapping[int, Mapping[str, ResourceCapacity]]
     shared_pool: Mapping[str, int | float]
+    #: QoS class -> {"slots", "cpus" (exclusive CPUs or shared-pool quota), "memory_bytes"}
+    by_qos: Mapping[str, Mapping[str, int | float]]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "resources": {k: v.to_dict() for k, v in self.resources.items()},
             "by_numa": {str(n): {k: v.to_dict() for k, v in r.items()} for n, r in self.by_numa.items()},
             "shared_pool": dict(self.shared_pool),
+            "by_qos": {k: dict(v) for k, v in self.by_qos.items()},
         }
 
 
@@ -65,6 +74,21 @@ def capacity(topology: Topology, allocated: Allocated, options: PlacementOptions
     floating = _node_capacity(topology, index, usable, allocated, None)
     for kind in ("gpus", "fpgas"):
         resources[kind] = _sum_capacity([resources[kind], floating[kind]])
+    memory = resources["memory_bytes"]
+    held = memory.allocated + allocated.memory_unbound
+    resources["memory_bytes"] = ResourceCapacity(
+        memory.total, memory.reserved, memory.allocatable, held, max(0, memory.allocatable - held)
+    )
+    by_qos: dict[str, dict[str, int | float]] = {}
+    for qos in QOS_CLASSES:
+        cpus: int | float = (
+            len(allocated.cpus) if qos == "guaranteed" else allocated.quota_millis.get(qos, 0) / MILLI
+        )
+        by_qos[qos] = {
+            "slots": allocated.slots_by_qos.get(qos, 0),
+            "cpus": cpus,
+            "memory_bytes": allocated.memory_by_qos.get(qos, 0),
+        }
     pool = usable.pool_base & ~allocated.cpu_mask
     pool_cpus = pool.bit_count()
     shared_pool: dict[str, int | float] = {
@@ -89,7 +113,7 @@ def capacity(topology: Topology, allocated: Allocated, options: PlacementOptions
         resources[f"mig/{profile}"] = ResourceCapacity(
             total, 0, total, total - mig_free[profile], mig_free[profile]
         )
-    return Capacity(resources=resources, by_numa=by_numa, shared_pool=shared_pool)
+    return Capacity(resources=resources, by_numa=by_numa, shared_pool=shared_pool, by_qos=by_qos)
 
 
 def _node_capacity(

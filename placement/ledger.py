@@ -39,6 +39,9 @@ class Allocated:
     memory_unbound: int = 0
     quota_millis: Mapping[str, int] = field(default_factory=dict)  #: shared-pool quota per QoS class
     shared_slots: int = 0  #: burstable and best-effort slots, which need at least one pool CPU
+    #: per QoS class: slots, and the memory they were granted (bound to a node or not)
+    slots_by_qos: Mapping[str, int] = field(default_factory=dict)
+    memory_by_qos: Mapping[str, int] = field(default_factory=dict)
 
     @cached_property
     def cpu_mask(self) -> int:
@@ -110,6 +113,10 @@ class Allocated:
         if not a.exclusive:
             quota[a.qos] = quota.get(a.qos, 0) + sign * a.cpu_quota_millis
         unbound = 0 if a.memory_by_node else a.memory_bytes
+        slots_by_qos = dict(self.slots_by_qos)
+        slots_by_qos[a.qos] = slots_by_qos.get(a.qos, 0) + sign
+        memory_by_qos = dict(self.memory_by_qos)
+        memory_by_qos[a.qos] = memory_by_qos.get(a.qos, 0) + sign * a.memory_bytes
         ledger = Allocated(
             cpus=change(self.cpus, a.cpus if a.exclusive else ()),
             gpus=change(self.gpus, a.gpus),
@@ -121,6 +128,8 @@ class Allocated:
             memory_unbound=self.memory_unbound + sign * unbound,
             quota_millis=_frozen_map(quota),
             shared_slots=self.shared_slots + (0 if a.exclusive else sign),
+            slots_by_qos=_frozen_map(slots_by_qos),
+            memory_by_qos=_frozen_map(memory_by_qos),
         )
         self._hand_down(ledger, a, sign)
         return ledger

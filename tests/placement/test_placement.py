@@ -533,6 +533,27 @@ def test_capacity_per_resource_and_node() -> None:
     assert cap["shared_pool"]["cpus"] == 26
 
 
+def test_capacity_counts_the_memory_of_every_class_as_placement_does() -> None:
+    topo = TOPOLOGIES["8-gpu-2-numa"]
+    ledger = Allocated()
+    for slot in (
+        request(cpus=2, memory="1Gi"),
+        request("burstable", name="b", cpus=0.5, memory="2Gi", numa="none"),
+        request("best-effort", name="c", memory="3Gi", numa="none"),
+    ):
+        ledger = ledger.add(plan(topo, ledger, slot))
+    cap = capacity(topo, ledger).to_dict()
+    memory = cap["resources"]["memory_bytes"]
+    assert memory["allocated"] == 6 * GIB  # bound (1Gi on a node) and unbound (2Gi + 3Gi) alike
+    assert memory["free"] == memory["allocatable"] - 6 * GIB
+    assert sum(node["memory_bytes"]["allocated"] for node in cap["by_numa"].values()) == GIB
+    assert cap["by_qos"] == {
+        "guaranteed": {"slots": 1, "cpus": 2, "memory_bytes": GIB},
+        "burstable": {"slots": 1, "cpus": 0.5, "memory_bytes": 2 * GIB},
+        "best-effort": {"slots": 1, "cpus": 0.0, "memory_bytes": 3 * GIB},
+    }
+
+
 def test_capacity_counts_mig_profiles() -> None:
     cap = capacity(TOPOLOGIES["mig"], Allocated(mig=frozenset({"MIG-00000000-0000-0000-0000-000000000001"})))
     assert cap.resources["mig/1g.10gb"].free == 1
