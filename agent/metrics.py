@@ -36,6 +36,7 @@ from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.cgroups.resources import CgroupStats
 from nodeagent.errors import NodeAgentError
+from nodeagent.runtime.supervisor import Phase
 from nodeagent.schema.request import QOS_CLASSES
 
 log = logging.getLogger(__name__)
@@ -169,15 +170,28 @@ def _slot_metrics(slots: list[Slot]) -> list[Metric]:
     restarts = CounterMetricFamily(
         f"{PREFIX}_worker_restarts", "Times the agent restarted a slot's worker.", labels=("slot", "name")
     )
+    phases = {(str(phase), qos): 0 for phase in Phase for qos in QOS_CLASSES}
+    worker_phase = GaugeMetricFamily(
+        f"{PREFIX}_slot_worker_phase",
+        "1 for each slot's worker in its current phase (a crash loop shows here, not in the slot's state).",
+        labels=("slot", "name", "phase"),
+    )
     for slot in slots:
         key = (str(slot.state), slot.qos)
         counts[key] = counts.get(key, 0) + 1
         if slot.worker is not None:
             restarts.add_metric((slot.id, slot.name), slot.worker.restarts)
+            phases[(str(slot.worker.phase), slot.qos)] += 1
+            worker_phase.add_metric((slot.id, slot.name, str(slot.worker.phase)), 1)
     by_state = GaugeMetricFamily(f"{PREFIX}_slots", "Slots by state and QoS class.", labels=("state", "qos"))
     for (state, qos), n in sorted(counts.items()):
         by_state.add_metric((state, qos), n)
-    return [by_state, restarts]
+    by_phase = GaugeMetricFamily(
+        f"{PREFIX}_workers", "Workers by phase and QoS class.", labels=("phase", "qos")
+    )
+    for (phase, qos), n in sorted(phases.items()):
+        by_phase.add_metric((phase, qos), n)
+    return [by_state, by_phase, worker_phase, restarts]
 
 
 def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:

@@ -155,11 +155,13 @@ STARTUP_PROBE_PERIOD = 1.0
 class ProbeTracker:
     """Consecutive successes and failures of one probe, and when it is next due."""
 
-    def __init__(self, probe: Probe, now: float, *, passing: bool) -> None:
+    def __init__(self, probe: Probe, now: float, *, passing: bool, delay: bool = True) -> None:
+        """``delay``: wait the probe's initial delay first (not for a worker found running after a
+        restart of the agent: it is past its start, and its phase should be known at once)."""
         self.probe = probe
-        self.next_due = now + probe.initial_delay_seconds
+        self.next_due = now + (probe.initial_delay_seconds if delay else 0.0)
         self.passing = passing
-        self._ever_passed = passing
+        self.ever_passed = passing
         self._successes = 0
         self._failures = 0
 
@@ -168,14 +170,14 @@ class ProbeTracker:
 
     def record(self, ok: bool, now: float) -> None:
         period = self.probe.period_seconds
-        if not self._ever_passed and not ok:
+        if not self.ever_passed and not ok:
             period = min(period, STARTUP_PROBE_PERIOD)
         self.next_due = now + period
         if ok:
             self._successes += 1
             self._failures = 0
             if self._successes >= self.probe.success_threshold:
-                self.passing = self._ever_passed = True
+                self.passing = self.ever_passed = True
         else:
             self._failures += 1
             self._successes = 0
@@ -266,14 +268,18 @@ class Supervisor:
             self._begin_stop(self._clock(), "stop requested")
 
     def resume(self, handle: WorkerHandle, launched_at: float | None = None) -> None:
-        """Take over a worker found again after an agent restart (see adopt.py)."""
+        """Take over a worker found again after an agent restart (see adopt.py): without a readiness
+        probe it is running; with one, the probe runs at the first tick, with no initial delay."""
         self._handle = handle
         self._stop_requested = False
         now = self._clock()
         self._launched_at = now if launched_at is None else launched_at
         self._oom_at_launch = self._cgroup.oom_kill_count()
-        self._arm_probes(now)
-        self._set(Phase.STARTING, f"re-adopted pid {handle.pid}")
+        self._arm_probes(now, delay=False)
+        if self._readiness is None:
+            self._set(Phase.RUNNING, f"re-adopted pid {handle.pid} (no readiness probe)")
+        else:
+            self._set(Phase.STARTING, f"re-adopted pid {handle.pid}; checking readiness")
 
     def resume_exited(self, record: ExitRecord) -> None:
         """An adopted worker that ended while the agent was away: apply the restart policy now."""
@@ -354,8 +360,11 @@ class Supervisor:
         try:
             self._handle = self._launcher.launch(req)
         except WorkerError as err:
+            # A worker that cannot even be started (no such program, a bad user, a refused
+            # namespace) fails the same way every time: say so at once instead of retrying.
             self._handle = None
-            self._after_failure(now, f"launch failed: {err}")
+            self.consecutive_failures += 1
+            self._set(Phase.FAILED, f"launch failed: {err}; fix the worker spec and start it again")
             return
         self._launched_at = now
         self._arm_probes(now)
@@ -364,12 +373,22 @@ class Supervisor:
         else:
             self._set(Phase.STARTING, f"pid {self._handle.pid} started; waiting for readiness")
 
-    def _arm_probes(self, now: float) -> None:
+    def _arm_probes(self, now: float, *, delay: bool = True) -> None:
         spec = self.spec
-        self._readiness = ProbeTracker(spec.readiness, now, passing=False) if spec.readiness else None
-        self._liveness = ProbeTracker(spec.liveness, now, passing=True) if spec.liveness else None
+        self._readiness = (
+            ProbeTracker(spec.readiness, now, passing=False, delay=delay) if spec.readiness else None
+        )
+        self._liveness = (
+            ProbeTracker(spec.liveness, now, passing=True, delay=delay) if spec.liveness else None
+        )
 
     def _run_probes(self, now: float) -> None:
+        readiness = self._readiness
+        timeout = self.spec.startup_timeout_seconds
+        if readiness is not None and not readiness.ever_passed and now - self._launched_at >= timeout:
+            self._killed_for = f"not ready within its startup timeout of {timeout:g}s"
+            self._begin_stop(now, self._killed_for)
+            return
         if self._liveness is not None and self._liveness.due(now):
             self._liveness.record(self._check(self._liveness.probe, self._probe_host), now)
             if not self._liveness.passing:
@@ -415,12 +434,15 @@ class Supervisor:
         if self._stop_requested:
             self._set(Phase.STOPPED, f"stopped; worker {record.describe()}")
             return
-        failed = not record.succeeded or bool(self._killed_for)
+        # Exiting before it was ever ready is a failure whatever the status: a server that exits 0
+        # at start-up (a stale lock, a missing model) did not do its job.
+        never_ready = self._readiness is not None and not self._readiness.ever_passed
+        failed = not record.succeeded or bool(self._killed_for) or never_ready
         if now - self._launched_at >= self._backoff.reset_after_seconds:
             self.consecutive_failures = 0
         policy = self.spec.restart
         restart = policy is RestartPolicy.ALWAYS or (policy is RestartPolicy.ON_FAILURE and failed)
-        cause = self._killed_for or record.describe()
+        cause = self._killed_for or record.describe() + (" before it was ever ready" if never_ready else "")
         if not restart:
             self._set(Phase.FAILED if failed else Phase.EXITED, f"worker {cause}")
             return

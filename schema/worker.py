@@ -234,6 +234,11 @@ class WorkerSpec(StrictModel):
     stop_grace_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
         default=30.0, description="After SIGTERM, how long before the slot's processes are killed."
     )
+    startup_timeout_seconds: Annotated[float, Field(gt=0, le=MAX_DELAY_SECONDS)] = Field(
+        default=300.0,
+        description="A worker with a readiness probe that has not passed this long after its start is "
+        "stopped and counted as failed (then restarted by its policy).",
+    )
     rlimits: Annotated[
         dict[str, tuple[int, int]],
         BeforeValidator(_rlimits),

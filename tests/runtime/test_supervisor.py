@@ -264,17 +264,62 @@ def test_sigkill_with_a_new_oom_kill_in_the_slot_is_an_oom():
     assert "OOM" in status.message
 
 
-def test_launch_failure_is_retried_with_backoff_or_fails_under_never():
-    sup, _, launcher, _, _ = make(WorkerSpec(command=("w",)))
+@pytest.mark.parametrize("policy", list(RestartPolicy))
+def test_a_launch_failure_fails_at_once_whatever_the_policy(policy):
+    sup, clock, launcher, _, _ = make(WorkerSpec(command=("w",), restart=policy))
     launcher.fail_with = "exec w: No such file"
     sup.start()
     status = sup.status()
+    assert status.phase is Phase.FAILED
+    assert "launch failed: exec w: No such file" in status.message
+    assert status.next_restart_in is None
+    clock.now += 600
+    assert sup.tick().phase is Phase.FAILED  # never retried silently
+    assert len(launcher.launched) == 0
+
+
+def test_an_exit_0_before_the_worker_was_ever_ready_is_a_failure():
+    sup, _, launcher, _, _ = make(
+        WorkerSpec(command=("w",), readiness=HTTP, restart=RestartPolicy.ON_FAILURE), probe_results=[False]
+    )
+    sup.start()
+    launcher.launched[-1].exit = exited(0)
+    status = sup.tick()
     assert status.phase is Phase.BACKOFF
-    assert "No such file" in status.message
-    never, _, never_launcher, _, _ = make(WorkerSpec(command=("w",), restart=RestartPolicy.NEVER))
-    never_launcher.fail_with = "exec w: No such file"
-    never.start()
-    assert never.status().phase is Phase.FAILED
+    assert "exited with status 0 before it was ever ready" in status.message
+
+
+def test_a_worker_not_ready_by_its_startup_timeout_is_stopped_and_counted_as_failed():
+    spec = WorkerSpec(
+        command=("w",), readiness=HTTP, startup_timeout_seconds=5, stop_grace_seconds=1, restart="on-failure"
+    )
+    sup, clock, launcher, _, _ = make(spec, probe_results=[False] * 20)
+    sup.start()
+    for _ in range(5):
+        clock.now += 1.0
+        status = sup.tick()
+    assert status.phase is Phase.STOPPING
+    assert "not ready within its startup timeout of 5s" in status.message
+    assert signal.SIGTERM in launcher.launched[-1].signals
+    launcher.launched[-1].exit = exited(sig=signal.SIGTERM)
+    status = sup.tick()
+    assert status.phase is Phase.BACKOFF
+    assert status.consecutive_failures == 1
+
+
+def test_an_adopted_worker_without_a_readiness_probe_is_running_at_once():
+    sup, _, _, _, _ = make(WorkerSpec(command=("w",)))
+    sup.resume(FakeWorker(pid=77))
+    assert sup.status().phase is Phase.RUNNING
+
+
+def test_an_adopted_worker_with_a_readiness_probe_is_checked_at_the_first_tick():
+    slow = Probe(http=HttpCheck(port=8000), period_seconds=10.0, initial_delay_seconds=30.0)
+    sup, _, _, _, _ = make(WorkerSpec(command=("w",), readiness=slow), probe_results=[True])
+    sup.resume(FakeWorker(pid=77))
+    assert sup.status().phase is Phase.STARTING
+    assert sup.due_in() == 0
+    assert sup.tick().phase is Phase.RUNNING
 
 
 def test_resume_exited_applies_the_policy():
