@@ -286,7 +286,23 @@ class SlotManager:
                     "allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id
                 )
             self._ledger = self._ledger.add(assignment)
-            return self._finish_allocate(slot, req)
+            try:
+                return self._finish_allocate(slot, req)
+            except NodeAgentError as err:
+                self._forget_refused(slot, err)
+                raise
+
+    def _forget_refused(self, slot: Slot, err: NodeAgentError) -> None:
+        """An allocate that failed leaves no trace: the client has the error, and a failed row would
+        only stand in the way of its next try. Kept: a row whose kernel objects could not be removed
+        (releasing, it holds its resources), and a pending row a full disk would not let go of (the
+        retry finishes it)."""
+        current = self._store.get_slot(slot.id)
+        if current is None or current.state != SlotState.FAILED:
+            return
+        with contextlib.suppress(NodeAgentError):
+            self._store.delete_slot(slot.id)
+            self._store.add_event("refused", f"slot {slot.name!r} not allocated: {err}", slot.id)
 
     def _finish_allocate(self, pending: Slot, req: SlotRequest) -> AllocateResult:
         slot = self._finish_pending(pending, worker=req.worker)
@@ -378,7 +394,15 @@ class SlotManager:
                 with contextlib.suppress(NodeAgentError):
                     self._isolation.apply(isolation_spec(slot, self._topology))
                 raise
-            resized = self._store.update_slot(dataclasses.replace(resized, applied=applied))
+            resized = dataclasses.replace(resized, applied=applied)
+            try:
+                resized = self._store.update_slot(resized)
+            except InsufficientStorage as err:
+                # The resize is done (its new assignment was committed before the kernel changed);
+                # only the copy of what isolation built is stale, and release does not need it.
+                log.warning(
+                    "resized slot's kernel state not stored", extra={"slot": slot.id, "reason": str(err)}
+                )
             self._store.add_event("resize", f"slot {slot.name!r} now {_describe(new)}", slot.id)
         self._notify()
         return self._view(resized)
@@ -446,9 +470,15 @@ class SlotManager:
         supervisor = self._make_supervisor(slot, spec)
         supervisor.start()
         self._loop.add(slot.id, supervisor)
-        with self._store.transaction(durable=False):
-            self._record_status(slot.id, supervisor.status())
-            self._store.add_event("worker", f"worker of {slot.name!r}: {supervisor.message}", slot.id)
+        try:
+            with self._store.transaction(durable=False):
+                self._record_status(slot.id, supervisor.status())
+                message = f"worker of {slot.name!r}: {supervisor.message}"
+                self._store.add_event("worker", message, slot.id)
+        except InsufficientStorage as err:
+            # The worker runs and the service shows its status from memory; the stored copy only
+            # matters after a restart, which derives it again. The operation itself succeeded.
+            log.warning("worker status not stored", extra={"slot": slot.id, "reason": str(err)})
 
     def stop_worker(self, slot_id: str) -> Slot:
         with self._lock:

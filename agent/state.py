@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -39,6 +40,8 @@ from nodeagent.placement import Assignment
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
 from nodeagent.schema.worker import parse_worker_spec
+
+log = logging.getLogger("nodeagent.state")
 
 
 class StateError(NodeAgentError):
@@ -397,7 +400,21 @@ class StateStore:
 
     def add_event(self, kind: str, message: str, slot_id: str | None = None) -> None:
         """Append to the event log (on its own not waiting for the disk: the log informs, it is not
-        the record; inside a durable transaction it is as durable as the rest)."""
+        the record; inside a durable transaction it is as durable as the rest).
+
+        On its own it never fails the operation it describes for want of space: the event is
+        logged instead. Inside a transaction it is part of the unit, and fails with it."""
+        if self._depth == 0:
+            try:
+                self._add_event(kind, message, slot_id)
+            except InsufficientStorage as err:
+                log.warning(
+                    "event not stored: %s", message, extra={"kind": kind, "slot": slot_id, "reason": str(err)}
+                )
+            return
+        self._add_event(kind, message, slot_id)
+
+    def _add_event(self, kind: str, message: str, slot_id: str | None) -> None:
         with self.transaction(durable=False):
             cursor = self._write(
                 "INSERT INTO events (time, slot_id, kind, message) VALUES (?, ?, ?, ?)",

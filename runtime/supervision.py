@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from nodeagent.errors import NodeAgentError
 from nodeagent.runtime.process import pidfd_exited
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Supervisor, WorkerStatus
 
@@ -147,7 +148,10 @@ class SupervisionLoop:
             try:
                 events = watch.poll(self._wait_seconds())
                 self._tick_due([fd for fd, _ in events])
-            except Exception:  # the loop must survive any one bad tick
+            except NodeAgentError as err:  # expected (a full disk, say): one line, no traceback
+                log.warning("supervision tick failed: %s", err, extra={"code": err.code})
+                self._stop.wait(self._tick_seconds)
+            except Exception:  # the loop must survive any one bad tick; this one is a bug
                 log.exception("supervision tick failed")
                 self._stop.wait(self._tick_seconds)
 

@@ -51,7 +51,9 @@ def test_a_second_agent_on_the_same_state_directory_stops_at_once_naming_the_fir
     daemon: DaemonProcess,
 ) -> None:
     client = daemon.start()
-    client.post("/v1/slots", json={"name": "a", "qos": "burstable", "resources": {"cpus": 0.1}})
+    body = {"name": "a", "qos": "burstable", "resources": {"cpus": 0.1, "memory": "32Mi"}}
+    created = client.post("/v1/slots", json=body)
+    assert created.status_code == 201, created.text
     events_before = client.get("/v1/slots/a").json()["updated_at"]
     code, output = daemon.start_and_fail(url=f"http://127.0.0.1:{free_port()}")
     assert code != 0
