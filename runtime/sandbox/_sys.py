@@ -14,6 +14,14 @@ import platform
 
 #: Loaded in the parent at import time: a child forked later must not run the dynamic loader.
 libc = ctypes.CDLL(None, use_errno=True)
+# ctypes looks a function up (dlsym) and builds its wrapper on first use, then caches it on the
+# handle; doing that here, once, keeps it off every forked child's launch path (~20 µs each).
+for _name in ("mount", "umount2", "unshare", "setns", "sethostname", "prctl", "capset", "syscall"):
+    getattr(libc, _name)
+# A typed prototype halves the cost of a call (~2.5 instead of ~5 µs here), and dropping the
+# bounding set is one prctl per capability: 41 calls on every launch.
+libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+libc.prctl.restype = ctypes.c_int
 
 # clone(2)/unshare(2) namespace flags (include/uapi/linux/sched.h).
 CLONE_NEWNS = 0x00020000

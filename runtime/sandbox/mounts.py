@@ -268,6 +268,8 @@ def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -
     grants read/write, not mknod), in which case the host's node is bind-mounted and keeps the
     host's owner and mode."""
     host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    # With no umask, mknod and mkdir give the modes asked for, without a chmod each.
+    umask = os.umask(0)
     try:
         mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_STRICTATIME, f"size={_DEV_SIZE},mode=755")
         made = [
@@ -295,17 +297,16 @@ def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -
                 host_dev=host_dev,
             )
             made.append((node.path, how))
+        os.mkdir("/dev/pts", 0o755)
+        os.mkdir(DEV_SHM, 0o1777)  # what /dev/shm always is: world-writable and sticky
     finally:
+        os.umask(umask)
         os.close(host_dev)
-    os.mkdir("/dev/pts", 0o755)
     # A devpts instance of its own: the worker's pseudo-terminals are not the host's (ptmxmode
     # makes pts/ptmx usable by any uid, as /dev/ptmx is on the host).
     mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
     for name, target in DEV_LINKS:
         os.symlink(target, f"/dev/{name}")
-    os.mkdir(DEV_SHM, 0o1777)
-    # What /dev/shm always is: world-writable and sticky (mkdir honoured the umask).
-    os.chmod(DEV_SHM, 0o1777)  # noqa: S103
     if shm_bytes is not None:
         mount_tmpfs(DEV_SHM, shm_bytes)
     return made
@@ -330,8 +331,8 @@ def _make_node(
             pass
         bind(host_path, path, flags=MS_NOSUID | MS_NOEXEC)
         return "bind"
-    os.chmod(path, mode)  # mknod honours the umask
-    os.chown(path, uid, gid)
+    if uid or gid:  # made by root, so owned by root unless asked otherwise
+        os.chown(path, uid, gid)
     return "mknod"
 
 

@@ -285,6 +285,6 @@ def install(program: bytes) -> None:
     prog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     check(
-        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_void_p(ctypes.addressof(prog)), 0, 0),
+        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0),
         "prctl(PR_SET_SECCOMP)",
     )
