@@ -385,3 +385,18 @@ def test_a_failed_step_is_named_with_its_errno(host_dir: Path):
         return []
 
     assert in_child(attempt) == ["HOME on /nonexistent-natest", errno.ENOENT]
+
+
+def test_hidepid_is_refused_where_it_would_change_the_hosts_proc():
+    """Before Linux 5.8 every proc mount of a pid namespace shared one set of options; the sandbox
+    must then refuse rather than set hidepid on the host's /proc (simulated in a child)."""
+
+    def attempt() -> list[object]:
+        mounts.PER_MOUNT_PROC_OPTIONS = False
+        try:
+            enter_sandbox(confined())
+        except SandboxStepError as err:
+            return [err.step, err.errno, "Linux 5.8" in (err.strerror or "")]
+        return []
+
+    assert in_child(attempt) == ["private /proc", errno.EOPNOTSUPP, True]
