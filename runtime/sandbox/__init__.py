@@ -1,0 +1,224 @@
+"""The worker sandbox: namespaces, a private file-system view, no capabilities, a syscall filter.
+
+Set up in the pre-forked child, after it has joined the slot's cgroups and network namespace and
+before it execs the worker, in two calls around the identity switch:
+
+    join cgroups, netns, affinity, mempolicy, rlimits        (runtime/enter.py, as today)
+    enter_sandbox(spec)                                      still root, with every capability:
+        1. unshare(mount, ipc, uts, cgroup as asked)         the cgroup namespace after the
+                                                             cgroups are joined: its root is the
+                                                             cgroup the child is in at unshare
+        2. sethostname                                       needs the new uts namespace
+        3. / made private, recursively                       before any mount, so none propagates
+        4. private /proc (hidepid; the pid namespace's own)
+        5. /sys/fs/cgroup read-only, or namespaced           reads /proc/self/mountinfo
+        6. read-only root (when asked)                       before 7-9, which must stay writable
+        7. private /dev: tmpfs, mknod, devpts, /dev/shm      mknod needs CAP_MKNOD
+        8. private /tmp; HOME bind
+        9. hidden paths                                      after HOME, which may live inside one
+       10. bounding set dropped, ambient cleared,            PR_CAPBSET_DROP needs CAP_SETPCAP,
+           keep-caps if a non-root worker keeps some          which setuid takes away
+    setgroups, setgid, setuid                                (runtime/enter.py, or switch_user)
+    seal_sandbox(spec)
+       11. capset: effective = permitted = inheritable =      after setuid, which recomputes them
+           the kept set; ambient raised for a non-root
+           worker that keeps any
+       12. no_new_privs, then the seccomp filter            last: the filter would refuse steps
+                                                             1-10 (unshare, mount), and nothing
+                                                             after it but exec should run
+    exec (through the init when there is a pid namespace: pidns.init_argv)
+
+A pid namespace is not made here: the child must already be PID 1 of one, which is what
+:func:`~nodeagent.runtime.sandbox.pidns.fork_into_new_pid_namespace` gives the keeper; see pidns
+for why a non-root worker needs none.
+
+Every failure is an :class:`SandboxStepError`, an OSError naming the step and keeping the errno,
+so the exec path reports it as ``step\\0errno\\0message`` like any other step.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from pathlib import Path
+
+from nodeagent.errors import NodeAgentError
+from nodeagent.runtime.sandbox import caps, mounts, seccomp
+from nodeagent.runtime.sandbox._sys import (
+    CLONE_NEWCGROUP,
+    CLONE_NEWIPC,
+    CLONE_NEWNS,
+    CLONE_NEWUTS,
+    check,
+    libc,
+)
+from nodeagent.runtime.sandbox.pidns import fork_into_new_pid_namespace, init_argv
+from nodeagent.runtime.sandbox.spec import DeviceNode, SandboxSpec
+from nodeagent.runtime.sandbox.support import SandboxSupport, missing_for, probe, probe_live
+
+_UNSHARE_FLAGS = {"mount": CLONE_NEWNS, "ipc": CLONE_NEWIPC, "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+__all__ = [
+    "DeviceNode",
+    "SandboxSpec",
+    "SandboxStepError",
+    "SandboxSupport",
+    "enter_sandbox",
+    "fork_into_new_pid_namespace",
+    "home_directory",
+    "init_argv",
+    "missing_for",
+    "probe",
+    "probe_live",
+    "seal_sandbox",
+    "switch_user",
+    "warm_up",
+]
+
+
+class SandboxStepError(OSError):
+    """A sandbox step failed; ``step`` names it, ``errno`` is the kernel's answer."""
+
+    def __init__(self, step: str, errno_: int, message: str) -> None:
+        super().__init__(errno_, f"{step}: {message}")
+        self.step = step
+
+
+@functools.lru_cache(maxsize=1)
+def _last_capability() -> int:
+    return caps.last_capability()
+
+
+@functools.lru_cache(maxsize=16)
+def _filter(profile: str, allow: tuple[str, ...]) -> bytes | None:
+    return seccomp.filter_for(profile, allow)
+
+
+def warm_up(specs: tuple[SandboxSpec, ...] = ()) -> None:
+    """Do, in the long-lived parent (the keeper) before it forks, what every child would otherwise
+    redo: read cap_last_cap and assemble the seccomp filters, for ``specs`` and the default."""
+    _last_capability()
+    _filter("default", ())
+    for spec in specs:
+        _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
+
+
+def home_directory(spec: SandboxSpec) -> str | None:
+    """What HOME should say in the worker's environment."""
+    return spec.home_mount or spec.home
+
+
+class _Steps:
+    """Runs named steps and turns any failure into a SandboxStepError naming the step."""
+
+    def __init__(self) -> None:
+        self.name = "sandbox"
+
+    def __call__(self, name: str) -> _Steps:
+        self.name = name
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, err: BaseException | None, tb: object) -> None:
+        if err is None or isinstance(err, SandboxStepError):
+            return
+        if isinstance(err, OSError):
+            raise SandboxStepError(self.name, err.errno or 0, _describe(err)) from err
+        if isinstance(err, NodeAgentError):
+            raise SandboxStepError(self.name, errno.EOPNOTSUPP, str(err)) from err
+
+
+def _describe(err: OSError) -> str:
+    text = err.strerror or str(err)
+    return f"{text} ({err.filename})" if err.filename else text
+
+
+def enter_sandbox(spec: SandboxSpec) -> None:
+    """Steps 1-10 (see the module docstring), in a single-threaded child that is still root and
+    has joined the slot's cgroups. Raises SandboxStepError."""
+    step = _Steps()
+    if "pid" in spec.namespaces:
+        with step("pid namespace"):
+            if os.getpid() != 1:
+                raise OSError(
+                    errno.EINVAL,
+                    "the spec asks for a pid namespace but this child is not PID 1 of one "
+                    "(fork it with fork_into_new_pid_namespace)",
+                )
+    flags = 0
+    for name in spec.namespaces:
+        flags |= _UNSHARE_FLAGS.get(name, 0)
+    if flags:
+        with step(f"unshare({', '.join(n for n in spec.namespaces if n in _UNSHARE_FLAGS)})"):
+            check(libc.unshare(flags), "unshare")
+    if spec.hostname is not None:
+        with step("sethostname"):
+            hostname = spec.hostname.encode()
+            check(libc.sethostname(hostname, len(hostname)), "sethostname")
+    if "mount" in spec.namespaces:
+        _mounts(spec, step)
+    keep = caps.capability_mask(spec.capabilities)
+    with step("drop capabilities from the bounding set"):
+        caps.drop_bounding_set(keep, _last_capability())
+        caps.clear_ambient()
+        if keep and spec.uid != 0:
+            caps.keep_across_setuid()
+
+
+def _mounts(spec: SandboxSpec, step: _Steps) -> None:
+    with step("make / private"):
+        mounts.make_private("/")
+    if spec.hide_other_processes or "pid" in spec.namespaces:
+        with step("private /proc"):
+            mounts.mount_private_proc(hide_other_processes=spec.hide_other_processes)
+    if spec.cgroup_view == "read-only":
+        with step(f"{CGROUP_ROOT} read-only"):
+            mounts.make_read_only(CGROUP_ROOT)
+    elif spec.cgroup_view == "namespace":
+        with step(f"{CGROUP_ROOT} from the cgroup namespace"):
+            mounts.cgroup_namespace_view(CGROUP_ROOT, Path("/proc/self/mountinfo").read_text())
+    if spec.read_only_root:
+        with step("read-only root"):
+            mounts.make_read_only("/")
+    if spec.private_dev:
+        with step("private /dev"):
+            mounts.build_private_dev(spec.devices, shm_bytes=spec.shm_bytes)
+    elif spec.shm_bytes is not None:
+        with step("private /dev/shm"):
+            mounts.mount_tmpfs(mounts.DEV_SHM, spec.shm_bytes)
+    if spec.tmp_bytes is not None:
+        with step("private /tmp"):
+            mounts.mount_tmpfs(mounts.TMP, spec.tmp_bytes)
+    if spec.home is not None and spec.home_mount is not None:
+        with step(f"HOME on {spec.home_mount}"):
+            mounts.mount_home(spec.home, spec.home_mount)
+    if spec.hide_paths:
+        with step("hide paths"):
+            mounts.hide(spec.hide_paths)
+
+
+def switch_user(spec: SandboxSpec) -> None:
+    """setgroups, setgid, setuid to the spec's identity (what runtime/enter.py's drop_privileges
+    does with the request's ids; here for callers that carry only a spec)."""
+    with _Steps()("set uid/gid/groups"):
+        os.setgroups(list(spec.groups))
+        os.setgid(spec.gid)
+        os.setuid(spec.uid)
+
+
+def seal_sandbox(spec: SandboxSpec) -> None:
+    """Steps 11-12, after setuid and just before exec. Raises SandboxStepError."""
+    step = _Steps()
+    keep = caps.capability_mask(spec.capabilities)
+    with step("set capabilities"):
+        caps.set_capabilities(keep, ambient=bool(keep) and spec.uid != 0)
+    with step(f"seccomp filter {spec.seccomp_profile!r}"):
+        program = _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
+        if program is None:
+            check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        else:
+            seccomp.install(program)
