@@ -73,13 +73,19 @@ CPU_TARGET_PERCENT = 1.0
 def config_text() -> str:
     return (
         f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-        f'veth_prefix = "{VETH_PREFIX}"\n\n[log]\nlevel = "warning"\n'
+        f'veth_prefix = "{VETH_PREFIX}"\nhost_partitioning = "off"\n\n[log]\nlevel = "warning"\n'
     )
 
 
 def agent_config(state_dir: Path) -> AgentConfig:
     data = {
-        "isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX, "veth_prefix": VETH_PREFIX},
+        # The benchmark measures the agent's own work: partitioning this (shared) host is not part of it.
+        "isolation": {
+            "cgroup_parent": PARENT,
+            "netns_prefix": NETNS_PREFIX,
+            "veth_prefix": VETH_PREFIX,
+            "host_partitioning": "off",
+        },
         "log": {"level": "warning"},
     }
     return apply_overrides(parse_config(data), state_dir=state_dir)

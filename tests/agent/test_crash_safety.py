@@ -24,7 +24,7 @@ from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from tests.daemon import DaemonProcess
+from tests.daemon import HOST_OFF, DaemonProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -42,7 +42,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     yield d
     d.stop()
     cfg = apply_overrides(
-        parse_config({"isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX}}),
+        parse_config({"isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX, **HOST_OFF}}),
         state_dir=d.state,
     )
     kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())

@@ -18,6 +18,7 @@ from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.schema.request import parse_slot_request
+from tests.daemon import HOST_OFF
 
 pytestmark = pytest.mark.root
 
@@ -34,7 +35,7 @@ REQUEST = {
 @pytest.fixture
 def config(tmp_path: Path) -> Iterator[object]:
     cfg = apply_overrides(
-        parse_config({"isolation": {"cgroup_parent": PARENT}}), state_dir=tmp_path / "state"
+        parse_config({"isolation": {"cgroup_parent": PARENT, **HOST_OFF}}), state_dir=tmp_path / "state"
     )
     ensure_state_dir(cfg.state_dir)
     yield cfg
