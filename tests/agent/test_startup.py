@@ -33,7 +33,8 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\n')
     yield d
     d.stop()
-    cfg = apply_overrides(parse_config({"isolation": {"cgroup_parent": PARENT, **HOST_OFF}}), state_dir=d.state)
+    isolation = {"cgroup_parent": PARENT, **HOST_OFF}
+    cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=d.state)
     isolation = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
     if isinstance(isolation, KernelIsolation):
         isolation.isolator.remove_all()  # kills what the test left in its slots
