@@ -57,7 +57,14 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from nodeagent.cpulist import format_cpulist, parse_cpulist
-from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, KernelError, os_error_message
+from nodeagent.errors import (
+    NO_SPACE,
+    ConfigError,
+    InsufficientStorage,
+    InvalidRequest,
+    KernelError,
+    os_error_message,
+)
 
 log = logging.getLogger("nodeagent.host")
 
@@ -227,7 +234,7 @@ class HostRecord:
                 knobs=entries(data.get("knobs", {})),
                 irqbalance=dict(irqbalance) if isinstance(irqbalance, dict) else None,
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, InvalidRequest) as err:
             raise ConfigError(
                 f"{where} is malformed ({err}); what it recorded cannot be put back automatically: move it "
                 "aside, then check CPU affinities (taskset -p, /proc/irq/*/smp_affinity_list) by hand"
@@ -684,8 +691,9 @@ def _settle(
     record describes (a refused confinement: no entry; a refused put-back: the old entry, retried
     on the next pass); an item that is gone needs no entry. Entries of kinds no backend read this
     time (a backend missing on this start) are kept for a start that has it."""
-    tasks = dict(wanted.tasks)
-    knobs = dict(wanted.knobs)
+    # A put-back that happened needs its entry no more (entries with before == after mark one).
+    tasks = {k: e for k, e in wanted.tasks.items() if e.before != e.after}
+    knobs = {k: e for k, e in wanted.knobs.items() if e.before != e.after}
     for ident in failed:
         for mine, before in ((tasks, old.tasks), (knobs, old.knobs)):
             if ident not in mine and ident not in before:

@@ -58,7 +58,7 @@ def _read(path: Path) -> str | None:
 
 def _write(path: Path, value: str) -> None:
     # One write() of the whole value: the kernel parses a cpulist or mask per write call.
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         os.write(fd, value.encode())
     finally:
@@ -107,19 +107,18 @@ class ProcTasks:
 
     def read(self) -> list[Task]:
         tasks: list[Task] = []
-        for entry in os.scandir(self.proc):
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
+        with os.scandir(self.proc) as entries:
+            pids = [int(e.name) for e in entries if e.name.isdigit()]
+        for pid in pids:
             if self._only is not None and not self._only(pid):
                 continue
-            cgroups = _read(self.proc / entry.name / "cgroup")
+            cgroups = _read(self.proc / str(pid) / "cgroup")
             if cgroups is None:
                 continue  # exited while we looked
             in_slot, v2_path = self._classify(cgroups)
             covered = v2_path is not None and self._covered is not None and self._covered(v2_path)
             try:
-                tids = os.listdir(self.proc / entry.name / "task")
+                tids = os.listdir(self.proc / str(pid) / "task")
             except (FileNotFoundError, ProcessLookupError):
                 continue
             for tid_name in tids:
@@ -340,7 +339,8 @@ class CgroupSiblings:
         for part in self._route:
             level = self.mount / prefix if prefix else self.mount
             try:
-                names = sorted(e.name for e in os.scandir(level) if e.is_dir(follow_symlinks=False))
+                with os.scandir(level) as entries:
+                    names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
             except FileNotFoundError:
                 break
             for name in names:
@@ -396,9 +396,11 @@ class IrqBalance:
         self.run = run
 
     def find(self) -> int | None:
-        for entry in os.scandir(self.proc):
-            if entry.name.isdigit() and (_read(Path(entry.path) / "comm") or "").strip() == "irqbalance":
-                return int(entry.name)
+        with os.scandir(self.proc) as entries:
+            pids = [e.name for e in entries if e.name.isdigit()]
+        for pid in pids:
+            if (_read(self.proc / pid / "comm") or "").strip() == "irqbalance":
+                return int(pid)
         return None
 
     def notify(
