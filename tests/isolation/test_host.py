@@ -208,7 +208,7 @@ def test_record_round_trips_and_refuses_garbage_with_advice(tmp_path: Path) -> N
     file.path.write_text(
         json.dumps({"schema": "nodeagent.host-partition/v1", "tasks": {"1:1": {"before": "x"}}})
     )
-    with pytest.raises(ConfigError, match="malformed .* move it aside"):
+    with pytest.raises(ConfigError, match=r"malformed .* move it aside"):
         file.load()
 
 
@@ -287,7 +287,8 @@ def test_confine_then_release_leaves_the_host_as_it_was_and_no_record(tmp_path: 
         "interrupt 26 (dev26) stays on CPU(s) 3: a managed interrupt: the kernel keeps its affinity"
     ]
     on_disk = json.loads((tmp_path / "host-partition.json").read_text())
-    assert on_disk["exclusive"] == "3" and set(on_disk["knobs"]) == {"irq:24", "irq:25"}
+    assert on_disk["exclusive"] == "3"
+    assert set(on_disk["knobs"]) == {"irq:24", "irq:25"}
     assert on_disk["irqbalance"] == {"banned": [3]}
     p.apply(F())
     assert {t: v.cpus for t, v in tasks.tasks.items()} == before
@@ -356,7 +357,8 @@ def test_sweep_confines_what_widened_and_refusals_are_reported_not_recorded(tmp_
     assert task(11).key not in p.recorded().tasks
     tasks.tasks[10] = replace(tasks.tasks[10], cpus=ALL)  # it widened its own affinity
     swept = p.sweep()
-    assert swept is not None and swept.moved == {"task": 1}
+    assert swept is not None
+    assert swept.moved == {"task": 1}
     assert tasks.tasks[10].cpus == F({0, 1, 2})
     p.restore()
     assert tasks.tasks[10].cpus == ALL
@@ -365,5 +367,6 @@ def test_sweep_confines_what_widened_and_refusals_are_reported_not_recorded(tmp_
 def test_a_task_that_exits_before_its_write_is_not_an_error(tmp_path: Path) -> None:
     tasks = MemoryTasks([INIT, task(10)], refuse={10: errno.ESRCH})
     report = partitioner(tmp_path, tasks).apply(F({3}))
-    assert report.immovable == [] and report.moved == {"task": 1}
+    assert report.immovable == []
+    assert report.moved == {"task": 1}
     assert set(partitioner(tmp_path, tasks).recorded().tasks) == {INIT.key}

@@ -32,7 +32,7 @@ from tests.trees import write_tree
 F = frozenset
 
 
-def stat_line(pid: int, comm: str, ppid: int, flags: int, start: int, cpu: int = 0) -> str:
+def stat_line(pid: int, comm: str, ppid: int, flags: int, start: int, *, cpu: int = 0) -> str:
     fields = ["S", str(ppid)] + ["0"] * 4 + [str(flags)] + ["0"] * 12 + [str(start)] + ["0"] * 16 + [str(cpu)]
     return f"{pid} ({comm}) " + " ".join(fields) + "\n"
 
@@ -67,7 +67,9 @@ def fake_proc(tmp_path: Path) -> Path:
 def test_stat_parser_takes_the_command_name_up_to_its_last_parenthesis() -> None:
     comm, fields = parse_stat("31 (web (x) 1) S 1 0 0 0 0 64 0 0 0 0 0 0 0 0 0 0 0 0 131 0\n")
     assert comm == "web (x) 1"
-    assert fields[1] == "1" and fields[6] == "64" and fields[19] == "131"
+    assert fields[1] == "1"
+    assert fields[6] == "64"
+    assert fields[19] == "131"
 
 
 def test_proc_tasks_reads_every_thread_and_marks_slot_members_and_covered_cgroups(tmp_path: Path) -> None:
@@ -77,11 +79,18 @@ def test_proc_tasks_reads_every_thread_and_marks_slot_members_and_covered_cgroup
     )
     tasks = {t.tid: t for t in covered.read()}
     assert sorted(tasks) == [1, 2, 20, 30, 31, 40]
-    assert tasks[31].pid == 30 and tasks[31].comm == "web (x) 1" and tasks[31].cpus == F({1, 2, 3})
-    assert tasks[2].kthreadd and not tasks[2].pinned
-    assert tasks[20].pinned and tasks[20].kthread
-    assert tasks[40].in_slot and not tasks[30].in_slot
-    assert tasks[30].cgroup_confined and tasks[31].cgroup_confined and not tasks[1].cgroup_confined
+    assert tasks[31].pid == 30
+    assert tasks[31].comm == "web (x) 1"
+    assert tasks[31].cpus == F({1, 2, 3})
+    assert tasks[2].kthreadd
+    assert not tasks[2].pinned
+    assert tasks[20].pinned
+    assert tasks[20].kthread
+    assert tasks[40].in_slot
+    assert not tasks[30].in_slot
+    assert tasks[30].cgroup_confined
+    assert tasks[31].cgroup_confined
+    assert not tasks[1].cgroup_confined
     only = ProcTasks(proc, only=lambda pid: pid == 30)
     assert sorted(t.tid for t in only.read()) == [30, 31]
 
@@ -252,7 +261,8 @@ def test_irqbalance_is_told_to_ban_the_exclusive_cpus_and_then_to_use_its_own_se
     proc, run, received = irqbalance
     notifier = IrqBalance(proc, run)
     state, warnings = notifier.notify(F({2, 3}), None)
-    assert state == {"pid": 4242, "banned": "2-3"} and warnings == ()
+    assert state == {"pid": 4242, "banned": "2-3"}
+    assert warnings == ()
     state, warnings = notifier.notify(F(), state)
     assert state is None
     for _ in range(100):
@@ -309,7 +319,8 @@ def test_partitioner_over_fake_trees_confines_and_puts_back_byte_for_byte(tmp_pa
     report = p.apply(F({3}))
     status = {t.tid: t.cpus for t in tasks.read()}
     # PID 1 sits in init.scope, whose cpuset confines it: its affinity stays; kthreadd is in the root.
-    assert status[1] == F({0, 1, 2, 3}) and status[2] == F({0, 1, 2})
+    assert status[1] == F({0, 1, 2, 3})
+    assert status[2] == F({0, 1, 2})
     assert (mount / "init.scope/cpuset.cpus").read_text() == "0-2"
     assert status[40] == F({3})  # in a slot
     assert status[20] == F({3})  # per-CPU kthread, reported
@@ -364,7 +375,8 @@ def test_meter_measures_from_a_baseline_per_slot(tmp_path: Path) -> None:
     )  # 2.25 s busy, 0.25 s in interrupts
     now[0] += 10
     later = meter.measure("s1", F({1}), 2_000_000_000)  # the slot used 2 s of it
-    assert later.seconds == pytest.approx(0.25) and later.irq_seconds == pytest.approx(0.25)
+    assert later.seconds == pytest.approx(0.25)
+    assert later.irq_seconds == pytest.approx(0.25)
     assert later.fraction == pytest.approx(0.025)
     assert later.to_json() == {"seconds": 0.25, "fraction": 0.025, "since": 5.0, "irq_seconds": 0.25}
     meter.forget("s1")
