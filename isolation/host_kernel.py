@@ -60,7 +60,9 @@ def _write(path: Path, value: str) -> None:
     # One write() of the whole value: the kernel parses a cpulist or mask per write call.
     fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
-        os.write(fd, value.encode())
+        # An empty write never reaches the kernel's handler: "empty" (a v2 cpuset that follows its
+        # parent again) is written as a bare newline.
+        os.write(fd, (value or "\n").encode())
     finally:
         os.close(fd)
 

@@ -151,3 +151,24 @@ def test_interrupt_load_breaks_ties_between_cores(tmp_path: Path, world: World) 
         chosen.append(slot.assignment.cpus)
         manager.close()
     assert chosen == [(1, 9), (2, 10)]
+
+
+def test_metrics_show_foreign_cpu_and_the_hosts_confinement(build: Any) -> None:
+    from nodeagent.agent.metrics import Metrics
+
+    host = FakeHost()
+    manager = build(host)
+    web = manager.allocate(parse_slot_request(guaranteed("web"))).slot
+    host.status = lambda: {  # type: ignore[method-assign]
+        "mode": "auto",
+        "active": True,
+        "last": {"confined": {"tasks": 12, "irq": 3}, "immovable": ["a", "b"]},
+    }
+    text = Metrics(manager).render()[0].decode()
+    labels = f'name="web",slot="{web.id}"'
+    assert f"nodeagent_slot_foreign_cpu_seconds_total{{{labels}}} 0.5" in text
+    assert f"nodeagent_slot_foreign_irq_seconds_total{{{labels}}} 0.1" in text
+    assert f"nodeagent_slot_foreign_cpu_fraction{{{labels}}} 0.01" in text
+    assert "nodeagent_host_partitioning_active 1.0" in text
+    assert 'nodeagent_host_confined_items{kind="tasks"} 12.0' in text
+    assert "nodeagent_host_immovable_items 2.0" in text

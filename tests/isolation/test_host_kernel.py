@@ -331,12 +331,17 @@ def test_partitioner_over_fake_trees_confines_and_puts_back_byte_for_byte(tmp_pa
     p.restore()
     after = {path: path.read_bytes() for path in snapshot}
     changed = {str(path.relative_to(tmp_path)) for path in snapshot if after[path] != snapshot[path]}
-    # Values come back equal, in the kernel's own spelling where the kernel would print it differently.
-    assert changed <= {
+    # Values come back equal, in the kernel's own spelling where it would print them differently
+    # (a mask, a cpulist, an empty cpuset written as a bare newline).
+    respelled = {
         "sys/devices/virtual/workqueue/cpumask",
         "proc/irq/36/smp_affinity_list",
         "cgroup/user.slice/cpuset.cpus",
-    } | {f"proc/{p}/task/{t}/status" for p, t in ((1, 1), (2, 2), (30, 30), (30, 31))}
+        "cgroup/init.scope/cpuset.cpus",
+        "cgroup/system.slice/cpuset.cpus",
+    }
+    assert changed <= respelled | {f"proc/{p}/task/{t}/status" for p, t in ((1, 1), (2, 2), (30, 30), (30, 31))}
+    assert {(mount / c / "cpuset.cpus").read_text().strip() for c in ("init.scope", "system.slice")} == {""}
     assert parse_mask((sys_root / "devices/virtual/workqueue/cpumask").read_text()) == F({0, 1, 2, 3})
     assert {t.tid: t.cpus for t in tasks.read()} == {
         1: F({0, 1, 2, 3}),
