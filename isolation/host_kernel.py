@@ -381,7 +381,16 @@ class CgroupSiblings:
             # --runtime: gone at reboot, as the slots are.
             self._systemctl(["set-property", "--runtime", knob.label, f"AllowedCPUs={format_cpulist(cpus)}"])
         else:
-            _write(self.mount / knob.key / "cpuset.cpus", format_cpulist(cpus))
+            path = self.mount / knob.key / "cpuset.cpus"
+            try:
+                _write(path, format_cpulist(cpus))
+            except OSError as err:
+                if cpus or err.errno != errno.ENOSPC:
+                    raise
+                # An empty cpuset ("the parent's CPUs") cannot be written back while the cgroup has
+                # tasks (ENOSPC, kernel 6.1): the parent's CPUs, named, are the same set today.
+                parent = path.parent.parent / "cpuset.cpus.effective"
+                _write(path, (_read(parent) or "").strip())
 
 
 # =========================================================================== irqbalance

@@ -340,7 +340,8 @@ def test_partitioner_over_fake_trees_confines_and_puts_back_byte_for_byte(tmp_pa
         "cgroup/init.scope/cpuset.cpus",
         "cgroup/system.slice/cpuset.cpus",
     }
-    assert changed <= respelled | {f"proc/{p}/task/{t}/status" for p, t in ((1, 1), (2, 2), (30, 30), (30, 31))}
+    statuses = {f"proc/{p}/task/{t}/status" for p, t in ((1, 1), (2, 2), (30, 30), (30, 31))}
+    assert changed <= respelled | statuses
     assert {(mount / c / "cpuset.cpus").read_text().strip() for c in ("init.scope", "system.slice")} == {""}
     assert parse_mask((sys_root / "devices/virtual/workqueue/cpumask").read_text()) == F({0, 1, 2, 3})
     assert {t.tid: t.cpus for t in tasks.read()} == {

@@ -19,15 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.cgroups import CgroupHost
-from nodeagent.cpulist import format_cpulist, parse_cpulist
+from nodeagent.cgroups import CgroupHost, detect
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.isolation.host_kernel import parse_mask
 from nodeagent.isolation.partitioning import RECORD_NAME, host_partitioner
 from nodeagent.isolation.slot import SlotIsolator
 from tests.daemon import DaemonProcess, wait_until
 from tests.isolation.specs import guaranteed
 
-BUSY = "while True:\n    pass\n"
+# Niced: it only has to be there to be confined, not to slow the agent's start on the VM's 2 CPUs.
+BUSY = "import os\nos.nice(19)\nwhile True:\n    pass\n"
 WQ = Path("/sys/devices/virtual/workqueue/cpumask")
 
 
@@ -144,7 +145,11 @@ def test_the_whole_host_leaves_the_exclusive_cpu_and_comes_back(
         isolator.release("g")
         p.restore()
     assert host_snapshot() == before
-    assert (sibling_dir / "cpuset.cpus").read_text() == sibling_cpus  # empty again: follows the root
+    # Empty again (it follows the root), or, since a cgroup with tasks cannot be emptied, the root's CPUs.
+    assert parse_cpulist((sibling_dir / "cpuset.cpus").read_text()) in (
+        parse_cpulist(sibling_cpus),
+        frozenset(before["pid1"]),  # type: ignore[arg-type]
+    )
     assert not (tmp_path / RECORD_NAME).exists()
 
 
@@ -158,7 +163,7 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         f'[isolation]\ncgroup_parent = "{parent}"\nhost_partitioning = "auto"\nhost_sweep_seconds = 0.5\n',
     )
     try:
-        client = daemon.start()
+        client = daemon.start(timeout=120)
         created = client.post(
             "/v1/slots", json={"name": "g", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
         )
@@ -180,20 +185,23 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         assert set(foreign) == {"seconds", "fraction", "since", "irq_seconds"}
         metrics = client.get("/metrics").text
         assert f'nodeagent_slot_foreign_cpu_seconds_total{{name="g",slot="{slot["id"]}"}}' in metrics
+        client.close()
         daemon.kill()
         # Dead agent: the host stays confined (the slot lives), and the record says what to undo.
         assert os.sched_getaffinity(1) == host
         assert (daemon.state / RECORD_NAME).exists()
-        client = daemon.start()
+        client = daemon.start(timeout=120)
         assert os.sched_getaffinity(1) == host
         assert client.delete(f"/v1/slots/{slot['id']}").status_code == 204
         assert os.sched_getaffinity(1) == before["pid1"]
         assert os.sched_getaffinity(busy_in_root.pid) == before["pid1"]
         assert not (daemon.state / RECORD_NAME).exists()
+        client.close()
     finally:
         if daemon.process is not None:
             daemon.process.send_signal(signal.SIGTERM)
             daemon.process.wait(timeout=30)
+        put_back(daemon, parent)
     assert host_snapshot() == before
 
 
@@ -201,13 +209,30 @@ def test_restore_host_puts_back_what_a_killed_agent_left(tmp_path: Path, isolato
     before = host_snapshot()
     parent = isolator.config.cgroup_parent
     daemon = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{parent}"\nhost_partitioning = "auto"\n')
-    client = daemon.start()
+    client = daemon.start(timeout=120)
     created = client.post(
         "/v1/slots", json={"name": "g", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
     )
     assert created.status_code == 201, created.text
+    client.close()
     daemon.kill()
-    assert os.sched_getaffinity(1) != before["pid1"]
+    try:
+        assert os.sched_getaffinity(1) != before["pid1"]
+        restore_in_a_new_process(daemon)
+        # Checked before the safety net below runs: the restore alone must have done it.
+        assert host_snapshot() == before
+        assert not (daemon.state / RECORD_NAME).exists()
+    finally:
+        put_back(daemon, parent)
+
+
+def put_back(daemon: DaemonProcess, parent: str) -> None:
+    """Whatever a failed test left confined goes back, so the next test starts from a whole host."""
+    if (daemon.state / RECORD_NAME).exists():
+        host_partitioner(detect(), state_dir=daemon.state, cgroup_parent=parent).restore()
+
+
+def restore_in_a_new_process(daemon: DaemonProcess) -> None:
     script = (
         "import sys\nfrom pathlib import Path\n"
         "from nodeagent.agent.config import apply_overrides, load_config\n"
@@ -219,5 +244,3 @@ def test_restore_host_puts_back_what_a_killed_agent_left(tmp_path: Path, isolato
         [sys.executable, "-c", script, str(daemon.config), str(daemon.state)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert host_snapshot() == before
-    assert format_cpulist(os.sched_getaffinity(1)) == format_cpulist(before["pid1"])  # type: ignore[arg-type]
