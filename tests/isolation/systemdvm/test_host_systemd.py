@@ -58,7 +58,9 @@ def busy_service() -> Iterator[int]:
         subprocess.run(["systemctl", "stop", UNIT], check=False, capture_output=True)
 
 
-def test_systemd_units_are_confined_through_allowed_cpus_and_put_back(tmp_path: Path, busy_service: int) -> None:
+def test_systemd_units_are_confined_through_allowed_cpus_and_put_back(
+    tmp_path: Path, busy_service: int
+) -> None:
     host = detect()
     online = frozenset(os.sched_getaffinity(1))
     if not {0, 1} <= online:
