@@ -575,7 +575,9 @@ class HostPartitioner:
         """Apply the last exclusive set again: confines tasks that widened their affinity since, new
         kernel threads, interrupts something moved back. None before the first apply."""
         exclusive = self._exclusive
-        return None if exclusive is None else self.apply(exclusive)
+        if exclusive is None or (not exclusive and self.recorded().empty):
+            return None  # nothing held off any CPU, nothing left to put back
+        return self.apply(exclusive)
 
     def restore(self) -> HostReport:
         """Put back everything recorded (nothing exclusive)."""
@@ -658,7 +660,7 @@ def _refusal(move: Move, err: OSError) -> str:
     elif item.kind == "irq":
         what = f"interrupt {item.key}" + (f" ({item.label})" if item.label else "")
         if err.errno == errno.EIO:
-            reason = "a managed interrupt: the kernel keeps its affinity"
+            reason = "the kernel keeps its affinity (a managed or per-CPU interrupt)"
     else:
         what = f"{item.kind} {item.key}"
     return f"{what} stays on CPU(s) {_cpus(item.cpus)}: {reason}"

@@ -109,9 +109,9 @@ class KernelHostPartitioning:
         if self.partitioner is None:
             return
         previous = self.partitioner.exclusive
-        self._run(lambda p: p.apply(exclusive), "partition")
-        if previous != exclusive:
-            self._log_report("host partitioned" if exclusive else "host put back")
+        report = self._run(lambda p: p.apply(exclusive), "partition")
+        if report is not None and previous != exclusive:
+            self._log(report, "host partitioned" if exclusive else "host put back")
 
     def foreign_cpu(self, slot_id: str, cpus: frozenset[int], cgroup: str | None) -> ForeignCpu | None:
         if cgroup is None or self._cgroups is None or not cpus:
@@ -161,8 +161,9 @@ class KernelHostPartitioning:
             self._thread.join(timeout=30)
             self._thread = None
         if self.partitioner is not None and not exclusive_held:
-            self._run(lambda p: p.restore(), "restore")
-            self._log_report("host put back at shutdown")
+            report = self._run(lambda p: p.restore(), "restore")
+            if report is not None and (report.moved or report.immovable):
+                self._log(report, "host put back at shutdown")
 
     def slot_released(self, slot_id: str) -> None:
         self._meter.forget(slot_id)
@@ -171,26 +172,26 @@ class KernelHostPartitioning:
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self._sweep_seconds):
-            before = self.partitioner.last if self.partitioner is not None else None
-            self._run(lambda p: p.sweep(), "sweep")
-            after = self.partitioner.last if self.partitioner is not None else None
-            if after is not None and after is not before and after.moved:
-                self._log_report("sweep confined what had moved back")
+            report = self._run(lambda p: p.sweep(), "sweep")
+            if report is not None and report.moved:
+                self._log(report, "sweep confined what had moved back")
 
-    def _run(self, step: Callable[[HostPartitioner], HostReport | None], what: str) -> None:
+    def _run(self, step: Callable[[HostPartitioner], HostReport | None], what: str) -> HostReport | None:
+        """One pass, its own report (None: nothing done, or it failed and the failure is kept)."""
         assert self.partitioner is not None
         try:
-            step(self.partitioner)
-            self._error = None
+            report = step(self.partitioner)
         except (NodeAgentError, OSError) as err:
             # The slot's own cpuset holds either way; the host stays as it was, and the next sweep retries.
             self._error = f"{what}: {err}"
             log.warning("host partitioning failed", extra={"step": what, "reason": str(err)})
+            return None
+        self._error = None
+        return report
 
-    def _log_report(self, message: str) -> None:
-        report = self.partitioner.last if self.partitioner is not None else None
-        if report is not None:
-            log.info(message, extra={"host": report.to_dict()})
+    @staticmethod
+    def _log(report: HostReport, message: str) -> None:
+        log.info(message, extra={"host": report.to_dict()})
 
 
 def build_host_partitioning(

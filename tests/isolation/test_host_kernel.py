@@ -326,7 +326,7 @@ def test_partitioner_over_fake_trees_confines_and_puts_back_byte_for_byte(tmp_pa
     assert status[20] == F({3})  # per-CPU kthread, reported
     assert (mount / "system.slice/cpuset.cpus").read_text() == "0-2"
     assert (sys_root / "devices/virtual/workqueue/cpumask").read_text() == "00000007"
-    assert any("interrupt 37" in line and "managed" in line for line in report.immovable)
+    assert any("interrupt 37" in line and "managed or per-CPU" in line for line in report.immovable)
     assert any("ksoftirqd/3" in line for line in report.immovable)
     p.restore()
     after = {path: path.read_bytes() for path in snapshot}

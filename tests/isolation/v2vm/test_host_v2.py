@@ -154,7 +154,7 @@ def test_the_whole_host_leaves_the_exclusive_cpu_and_comes_back(
 
 
 def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
-    tmp_path: Path, isolator: SlotIsolator, busy_in_root: subprocess.Popen[bytes]
+    tmp_path: Path, isolator: SlotIsolator
 ) -> None:
     before = host_snapshot()
     parent = isolator.config.cgroup_parent
@@ -162,8 +162,11 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         tmp_path,
         f'[isolation]\ncgroup_parent = "{parent}"\nhost_partitioning = "auto"\nhost_sweep_seconds = 0.5\n',
     )
+    busy_in_root: subprocess.Popen[bytes] | None = None
     try:
-        client = daemon.start(timeout=120)
+        client = daemon.start(timeout=180)
+        # Started once the agent is up: under emulation a busy neighbour slows its start a lot.
+        busy_in_root = subprocess.Popen([sys.executable, "-c", BUSY])
         created = client.post(
             "/v1/slots", json={"name": "g", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
         )
@@ -190,7 +193,7 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         # Dead agent: the host stays confined (the slot lives), and the record says what to undo.
         assert os.sched_getaffinity(1) == host
         assert (daemon.state / RECORD_NAME).exists()
-        client = daemon.start(timeout=120)
+        client = daemon.start(timeout=180)
         assert os.sched_getaffinity(1) == host
         assert client.delete(f"/v1/slots/{slot['id']}").status_code == 204
         assert os.sched_getaffinity(1) == before["pid1"]
@@ -198,6 +201,9 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         assert not (daemon.state / RECORD_NAME).exists()
         client.close()
     finally:
+        if busy_in_root is not None:
+            busy_in_root.kill()
+            busy_in_root.wait()
         if daemon.process is not None:
             daemon.process.send_signal(signal.SIGTERM)
             daemon.process.wait(timeout=30)
@@ -209,7 +215,7 @@ def test_restore_host_puts_back_what_a_killed_agent_left(tmp_path: Path, isolato
     before = host_snapshot()
     parent = isolator.config.cgroup_parent
     daemon = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{parent}"\nhost_partitioning = "auto"\n')
-    client = daemon.start(timeout=120)
+    client = daemon.start(timeout=180)
     created = client.post(
         "/v1/slots", json={"name": "g", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
     )
