@@ -209,6 +209,13 @@ def build_host_partitioning(
 ) -> KernelHostPartitioning:
     """The real collaborator for this host: the backends its cgroup mode calls for."""
     if not enabled:
+        if (state_dir / RECORD_NAME).exists():
+            # Turned off after it had confined the host: what the record names goes back now.
+            leftover = host_partitioner(
+                host, state_dir=state_dir, cgroup_parent=cgroup_parent, proc=proc, sys=sys, run=run
+            )
+            report = leftover.restore()
+            log.info("host put back: host partitioning is off", extra={"host": report.to_dict()})
         return KernelHostPartitioning(None, cgroups=host, proc=proc, sweep_seconds=sweep_seconds)
     return KernelHostPartitioning(
         host_partitioner(
