@@ -158,6 +158,7 @@ def cgroup_tree(tmp_path: Path) -> Path:
         tmp_path / "cgroup",
         {
             "cgroup.procs": "",
+            "cpuset.cpus.effective": "0-3\n",
             "init.scope/cpuset.cpus": "",
             "user.slice/cpuset.cpus": "0-3\n",
             "nocpuset/cgroup.procs": "",  # no cpuset controller there: its tasks need their affinity moved
@@ -203,6 +204,7 @@ def test_cgroup_siblings_write_directly_or_through_systemd(tmp_path: Path) -> No
     systemd.write(knobs["system.slice"], F())
     assert calls == [
         ["set-property", "--runtime", "system.slice", "AllowedCPUs=0-2"],
+        ["set-property", "--runtime", "system.slice", "AllowedCPUs=0-3"],  # the root's CPUs, named, first
         ["set-property", "--runtime", "system.slice", "AllowedCPUs="],
     ]
     plain = CgroupSiblings(mount, "nodeagent.slice")
