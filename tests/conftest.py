@@ -50,6 +50,6 @@ def _host_left_as_found() -> Generator[None, None, None]:
     if after < before:
         os.sched_setaffinity(1, before)
         pytest.fail(
-            f"PID 1's CPU affinity went from {sorted(before)} to {sorted(after)} during the tests and was put "
-            "back: a host-partitioning test did not restore the host"
+            f"PID 1's CPU affinity went from {sorted(before)} to {sorted(after)} during the tests and was "
+            "put back: a host-partitioning test did not restore the host"
         )
