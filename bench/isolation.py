@@ -14,7 +14,9 @@ because a shared VM drifts:
   system daemons, sessions and cron jobs are: a cpuset keeps only the agent's own slots away;
 - ``host partitioned``: the same, with host partitioning (nodeagent.isolation.host) confining every
   task outside the slots, kernel threads, the workqueue mask and interrupts to the other CPUs for
-  the length of the scenario, then putting them back.
+  the length of the scenario, then putting them back;
+- ``alone partitioned``: the loop in its slot, no neighbours, the host partitioned: on a machine
+  whose other users load it, ``alone`` has their noise too, and this is the baseline without it.
 
 ``--host-scope all`` (the default) partitions the whole host, as the agent does: on a shared machine
 every other process runs on the remaining CPUs for the few seconds of that scenario, and everything
@@ -52,8 +54,9 @@ from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
 
 MiB = 1 << 20
-SCENARIOS = ("alone", "no isolation", "isolated", "host noise", "host partitioned")
-HOST_SCENARIOS = ("host noise", "host partitioned")
+SCENARIOS = ("alone", "no isolation", "isolated", "host noise", "host partitioned", "alone partitioned")
+HOST_SCENARIOS = ("host noise", "host partitioned", "alone partitioned")
+PARTITIONED = ("host partitioned", "alone partitioned")
 
 # The loop waits for a byte on the fd in its last argument (so it can join a cgroup first), then serves.
 LOOP = """
@@ -156,7 +159,7 @@ def run_scenario(
     """The loop's latencies in ms, and for the host scenarios the foreign share of its CPU."""
     neighbours: list[subprocess.Popen[str]] = []
     try:
-        if scenario != "alone":
+        if scenario not in ("alone", "alone partitioned"):
             for _ in range(args.neighbours):
                 busy, release = start_paused("import os, sys\nos.read(int(sys.argv[-1]), 1)\n" + BUSY, [])
                 neighbours.append(busy)
@@ -165,7 +168,7 @@ def run_scenario(
                 os.close(release)
             time.sleep(0.3)  # let the scheduler settle with the neighbours running
         in_slot = scenario in ("isolated", *HOST_SCENARIOS)
-        with partitioned(host if scenario == "host partitioned" else None, args.slot_cpu):
+        with partitioned(host if scenario in PARTITIONED else None, args.slot_cpu):
             loop, release = start_paused(LOOP, [str(work), str(args.requests), str(args.gap_ms / 1000)])
             join(loop_slot if in_slot else None, loop.pid)
             meter = ForeignCpuMeter(cache_seconds=0)
@@ -286,6 +289,12 @@ def report(results: dict[str, list[list[float]]], foreign: dict[str, list[float]
             f"{scenario:<18}{p50:>8.2f}{p99:>8.2f}{p999:>8.2f}   "
             f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]{share}"
         )
+    base = [percentile(r, 0.99) for r in results["alone partitioned"]]
+    noisy = [percentile(r, 0.99) / b for r, b in zip(results["host partitioned"], base, strict=True)]
+    print(
+        f"\nhost partitioned / alone partitioned (p99, same round): {statistics.median(noisy):.2f}x "
+        f"[{min(noisy):.2f}-{max(noisy):.2f}]"
+    )
 
 
 if __name__ == "__main__":
