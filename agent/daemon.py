@@ -39,7 +39,8 @@ from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
-from nodeagent.runtime.workers import SpawnerRuntime
+from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
@@ -179,8 +180,10 @@ def build_manager(config: AgentConfig, topology: Topology | None = None) -> Slot
         StateStore(config.database_path),
         topo,
         isolation,
-        SpawnerRuntime(
-            config.state_dir / "workers", host if isinstance(isolation, KernelIsolation) else None
+        KeeperRuntime(
+            config.state_dir / "workers",
+            host if isinstance(isolation, KernelIsolation) else None,
+            KeeperClient(config.state_dir / "keeper"),
         ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from nodeagent.runtime.process import pidfd_exited
+from nodeagent.runtime.process import fd_fired
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Supervisor, WorkerStatus
 
 log = logging.getLogger("nodeagent.supervision")
@@ -185,7 +185,7 @@ class SupervisionLoop:
     def _watch_exit(self, pidfd: int, slot_id: str) -> bool:
         """Arm a one-shot wake-up for this pidfd; False when it cannot serve (no loop, already exited)."""
         watch = self._watch
-        if watch is None or pidfd_exited(pidfd):
+        if watch is None or fd_fired(pidfd):
             # An exited pidfd stays readable: armed, it would wake the loop again and again.
             return False
         self._fd_slots[pidfd] = slot_id

@@ -26,19 +26,11 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
-from nodeagent.runtime.process import (
-    ExitRecord,
-    ProcessIdentity,
-    WorkerProcess,
-    WorkerState,
-    open_verified_pidfd,
-)
+from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spawner import Spawner
 from nodeagent.runtime.spec import Probe, ProbeKind, RestartPolicy, WorkerSpec
 
 #: How long kill_all may take after the grace period (or after an exit, for leftovers).
@@ -437,22 +429,3 @@ class Supervisor:
         looping = self.consecutive_failures >= self._backoff.crashloop_after
         phase = Phase.CRASHLOOP if looping else Phase.BACKOFF
         self._set(phase, f"{cause}; restart {self.restarts} in {delay:g}s")
-
-
-class SpawnerLauncher:
-    """The real Launcher: launches through the spawner and holds each worker by a verified pidfd."""
-
-    def __init__(self, spawner: Spawner) -> None:
-        self._spawner = spawner
-
-    def launch(self, req: LaunchRequest) -> WorkerProcess:
-        result = self._spawner.launch(req)
-        state = WorkerState(
-            launch_id=result.launch_id,
-            worker=ProcessIdentity(result.pid, result.start_time),
-            keeper=ProcessIdentity(result.keeper_pid, result.keeper_start_time),
-            started_at=time.time(),
-        )
-        pidfd = open_verified_pidfd(state.worker)
-        keeper_pidfd = open_verified_pidfd(state.keeper)
-        return WorkerProcess(state, Path(req.run_dir), -1 if pidfd is None else pidfd, keeper_pidfd)
