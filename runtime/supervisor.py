@@ -11,7 +11,8 @@ agent's loop (or a test with a fake clock) decides when time passes::
 
 A worker is ``running`` only while its readiness probe passes. Stopping sends SIGTERM, waits the
 grace period, then kills everything in the slot's cgroup; after any exit, whatever the worker left
-behind in the slot (forked helpers) is killed too, so a restart starts from an empty slot.
+behind in the slot (forked helpers) is killed too (the keeper has done so already, after the
+worker's grace period, unless the slot has no cgroup), and a launch starts from an empty slot.
 """
 
 from __future__ import annotations
@@ -339,6 +340,11 @@ class Supervisor:
         req = dataclasses.replace(
             self._template, launch_id=f"{self._template.launch_id}-{next(self._launch_numbers)}"
         )
+        # A worker starts in an empty slot. Whatever runs there now belongs to no worker the agent
+        # knows: one that exec'd just as its keeper died (before the keeper took custody, so no
+        # state file names it), or leftovers nobody saw end.
+        if self._cgroup.pids():
+            self._cgroup.kill_all(KILL_TIMEOUT_SECONDS)
         self._oom_at_launch = self._cgroup.oom_kill_count()
         self._killed_for = ""
         self._stop_deadline = None
