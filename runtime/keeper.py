@@ -636,7 +636,7 @@ class Keeper:
 
     def _record(self, worker: _Worker, record: ExitRecord | None = None) -> None:
         try:
-            write_state(worker.run_dir, worker.state(record))
+            write_state(worker.run_dir, worker.state(record), durable=record is not None)
         except OSError as err:
             log(f"cannot write the state of worker {worker.identity.pid} in {worker.run_dir}: {err}")
 

@@ -159,18 +159,25 @@ class WorkerState:
         )
 
 
-def write_state(run_dir: Path, state: WorkerState) -> None:
-    """Replace the state file atomically and durably: a crash of the keeper or of the whole host
-    leaves the old record or the new one, never half of one, and never loses a written exit."""
+def write_state(run_dir: Path, state: WorkerState, *, durable: bool = True) -> None:
+    """Replace the state file atomically: a crash of the keeper leaves the old record or the new
+    one, never half of one. ``durable`` (fsync of the file and of the rename) makes that hold for a
+    crash of the whole host too, so a written exit is never lost. The record a keeper writes when
+    it takes custody of a worker need not be: after a host crash that worker is gone anyway, and
+    the previous record (or none) leads to the same verdict, so two fsyncs stay off the launch's
+    heels."""
     path = run_dir / STATE_FILE
     tmp = run_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         os.write(fd, json.dumps(state.to_json(), sort_keys=True).encode())
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    if not durable:
+        return
     directory = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(directory)  # the rename itself

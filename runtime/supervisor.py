@@ -306,7 +306,8 @@ class Supervisor:
         return max(0.0, min(dues) - now) if dues else None
 
     def exit_fd(self) -> int | None:
-        """A file descriptor that polls readable once the live worker has exited (its pidfd).
+        """A file descriptor that polls readable once the live worker's exit can be read (the
+        keeper's notice pipe: its exit record is final, or the keeper went away).
 
         None when no worker is alive, or when its handle offers no such descriptor: then only
         polling through ``tick()`` finds the exit.
