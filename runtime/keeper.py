@@ -74,6 +74,7 @@ from nodeagent.runtime.process import (
     ExitRecord,
     ProcessIdentity,
     WorkerState,
+    fd_fired,
     open_verified_pidfd,
     process_start_time,
     read_oom_kills,
@@ -163,7 +164,6 @@ class _Worker:
         "kill_at",
         "killed",
         "launch_id",
-        "legacy",
         "lost",
         "notices",
         "pidfd",
@@ -183,11 +183,9 @@ class _Worker:
         self.custody = state.custody
         self.run_dir = Path(os.path.realpath(run_dir))
         self.is_child = is_child
-        #: A worker that is not our child: its pidfd, how we learn that it ended.
+        #: A worker that is not our child: its pidfd, how we learn that it ended (or, for a worker
+        #: still kept by a per-worker keeper of an earlier nodeagent, that keeper's pidfd).
         self.pidfd = -1
-        #: A worker still kept by a per-worker keeper of an earlier nodeagent (no custody in its
-        #: state): we wait on that keeper's pidfd instead, and it writes the record.
-        self.legacy = False
         #: Write ends of notice pipes whose read ends agents hold; closed once the record is final.
         #: (We keep no read end: an agent's epoll forgets a descriptor only when nobody else holds
         #: its open file description.)
@@ -661,6 +659,8 @@ class Keeper:
 
     def _on_pidfd(self, worker: _Worker) -> None:
         """A worker that is not our child ended (we watch it by pidfd since we re-adopted it)."""
+        if not fd_fired(worker.pidfd):
+            return  # an event meant for an earlier descriptor of that number, closed in this batch
         self._unwatch(worker.pidfd)
         os.close(worker.pidfd)
         worker.pidfd = -1
@@ -811,11 +811,12 @@ class Keeper:
             # Started by an earlier nodeagent's per-worker keeper, which records its exit itself
             # while it lives: wait for that keeper, then look again.
             keeper_pidfd = open_verified_pidfd(state.keeper)
-            if keeper_pidfd is not None:
-                worker.legacy = True
+            if keeper_pidfd is not None and not fd_fired(keeper_pidfd):  # (a zombie has exited)
                 worker.pidfd = keeper_pidfd
                 self._watch(keeper_pidfd, lambda: self._on_legacy_keeper(worker))
                 return worker
+            if keeper_pidfd is not None:
+                os.close(keeper_pidfd)
         else:
             ends = {}
             for path, name in ((state.custody.stdout_fifo, "stdout"), (state.custody.stderr_fifo, "stderr")):
@@ -837,6 +838,8 @@ class Keeper:
 
     def _on_legacy_keeper(self, worker: _Worker) -> None:
         """The earlier per-worker keeper is gone: its record is final, or the worker is ours now."""
+        if not fd_fired(worker.pidfd):
+            return
         self._unwatch(worker.pidfd)
         os.close(worker.pidfd)
         worker.pidfd = -1

@@ -253,7 +253,9 @@ class KeeperClient:
                 break
             _wait_gone(armed.pidfd)
             armed.close()
-            if attempt == 1 and report.startswith(_KEEPER_LOST_STEP) and not self._keeper_alive():
+            with self._lock:
+                keeper_died = not self._keeper_alive()
+            if attempt == 1 and report.startswith(_KEEPER_LOST_STEP) and keeper_died:
                 continue  # the keeper died under this launch; nothing ran: once more, with a new one
             raise WorkerError(
                 f"cannot launch {list(req.argv)} for {req.launch_id}: {_describe_failure(report)}"
@@ -426,14 +428,19 @@ class KeeperClient:
                 assert self._sock is not None
                 try:
                     proto.send(self._sock, body)
+                except OSError as err:
+                    self._disconnect()
+                    if attempt == 2:
+                        raise WorkerError(f"lost the keeper of {self.directory}: {err}") from err
+                    continue
+                try:
                     while True:
                         received = self._receive_one()
                         if received is not None:
                             return received
                 except WorkerError:
-                    if attempt == 2 or self._keeper_alive():
-                        raise
-                    self._disconnect()
+                    if attempt == 2:
+                        raise  # (it disconnected: the next exchange starts or finds a new keeper)
         raise AssertionError("unreachable")
 
     def _receive_one(self) -> tuple[dict[str, object], list[int]] | None:

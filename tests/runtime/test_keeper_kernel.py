@@ -19,7 +19,16 @@ from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime.adopt import adopt
 from nodeagent.runtime.keeper_client import KeeperClient, keeper_identity, stop_keeper
 from nodeagent.runtime.logs import read_log
-from nodeagent.runtime.process import ProcessIdentity, fd_fired, process_start_time, read_state
+from nodeagent.runtime.process import (
+    ExitRecord,
+    ProcessIdentity,
+    WorkerProcess,
+    WorkerState,
+    fd_fired,
+    process_start_time,
+    read_state,
+    write_state,
+)
 from tests.runtime.conftest import (
     current_keeper,
     kill,
@@ -307,3 +316,60 @@ def test_the_keeper_answers_bad_requests_and_keeps_serving(tmp_path, keeper):
         raw.send(b"not json")  # a malformed message ends this connection only
         assert proto.receive(raw) == (None, [])
     assert keeper.status()["op"] == "status"
+
+
+@pytest.mark.parametrize(
+    "old_keeper_records",
+    [pytest.param(True, id="old-keeper-records"), pytest.param(False, id="old-keeper-dies")],
+)
+def test_a_worker_of_an_earlier_per_worker_keeper_is_taken_over(tmp_path, keeper, old_keeper_records):
+    """After an upgrade: worker.json without custody names a per-worker keeper that still runs. The
+    host keeper waits for it; its record stands, or, if it dies without one, the worker is adopted."""
+    processes = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
+    try:
+        old_keeper, old_worker = (ProcessIdentity(p.pid, process_start_time(p.pid) or 0) for p in processes)
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        state = WorkerState("legacy-1", old_worker, old_keeper, time.time())
+        write_state(run_dir, state)
+        notice = keeper.watch(run_dir, "legacy-1")
+        assert notice is not None
+        worker = WorkerProcess(state, run_dir, -1, notice, keeper)
+        assert worker.poll() is None
+        if old_keeper_records:
+            record = ExitRecord.from_wait_status(5 << 8, oom_kills=0, finished_at=time.time())
+            write_state(run_dir, WorkerState("legacy-1", old_worker, old_keeper, state.started_at, record))
+            processes[1].kill()
+        processes[0].kill()  # the old keeper exits
+        if old_keeper_records:
+            assert wait_until("the old keeper's record", worker.poll) == record
+        else:
+            wait_until("the handover", lambda: worker.poll() is None and not fd_fired(worker.exit_fd or -1))
+            assert [w["pid"] for w in keeper.status()["workers"]] == [old_worker.pid]  # type: ignore[union-attr]
+            processes[1].kill()
+            assert wait_until("the exit", worker.poll).reason == "unknown"
+        worker.close()
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize(
+    ("python", "says"),
+    [
+        pytest.param(
+            "/nonexistent/python3", "cannot start a keeper for .* with /nonexistent/python3", id="no-python"
+        ),
+        pytest.param("/bin/false", "exited with status 1 while starting", id="keeper-fails"),
+    ],
+)
+def test_a_keeper_that_cannot_start_is_a_clear_error_retried_with_backoff(tmp_path, python, says):
+    client = KeeperClient(tmp_path / "keeper", python=python)
+    try:
+        with pytest.raises(WorkerError, match=says):
+            client.connect()
+        with pytest.raises(WorkerError, match=r"retrying in \d"):
+            client.connect()  # not at once again: the agent's loops must not spin on it
+    finally:
+        client.close()
