@@ -4,7 +4,8 @@ Order of start-up: configuration -> state directory (0700) and API token (0600) 
 slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/or a unix socket)
 -> ``READY=1`` to systemd once the sockets listen, then ``WATCHDOG=1`` pings when systemd asked
 for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but never the workers: they
-are not our children and outlive the agent, and the next start re-adopts them.
+are the host keeper's children (runtime/keeper.py, which outlives the agent too), and the next
+start re-attaches to the keeper and re-adopts them.
 
 Logs are JSON lines on stdout (journald keeps them as they are).
 """
