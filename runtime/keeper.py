@@ -94,6 +94,8 @@ KILL_WAIT_SECONDS = 5.0
 #: Intervals between looks at a worker's cgroups while its tree is being ended.
 _TREE_CHECKS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.25)
 _READ_SIZE = 64 * 1024
+#: Workers per status reply (each takes a few hundred bytes of a message's 64 KiB).
+STATUS_PAGE = 100
 IO_DIR = "io"
 INDEX_DIR = "workers"
 
@@ -338,7 +340,8 @@ class Keeper:
             elif op == "watch":
                 self._watch_request(fd, body)
             elif op == "status":
-                self._reply(fd, self._status())
+                offset = body.get("offset", 0)
+                self._reply(fd, self._status(offset if isinstance(offset, int) else 0))
             else:
                 self._reply(fd, {"op": "error", "request": op, "message": f"unknown request {op!r}"})
         except OSError as err:
@@ -378,7 +381,9 @@ class Keeper:
             },
         )
 
-    def _status(self) -> dict[str, object]:
+    def _status(self, offset: int) -> dict[str, object]:
+        """One page of the keeper's account (a message has room for about a hundred workers)."""
+        page = sorted(self._workers.values(), key=lambda w: w.identity.pid)[offset : offset + STATUS_PAGE]
         workers = [
             {
                 "pid": w.identity.pid,
@@ -389,7 +394,7 @@ class Keeper:
                 "finishing": w.finishing,
                 "final": w.final,
             }
-            for w in self._workers.values()
+            for w in page
         ]
         return {
             "op": "status",
@@ -397,6 +402,7 @@ class Keeper:
             "pid": self.identity.pid,
             "start_time": self.identity.start_time,
             "workers": workers,
+            "total": len(self._workers),
             "idle_children": [c.identity.pid for c in self._children.values()],
         }
 

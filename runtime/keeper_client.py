@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from nodeagent.errors import WorkerError
 from nodeagent.runtime import keeper_protocol as proto
@@ -277,12 +278,20 @@ class KeeperClient:
             return None
         raise WorkerError(f"the keeper could not watch {run_dir}: {reply.get('message', reply)}")
 
-    def status(self) -> dict[str, object]:
-        """The keeper's own account: its identity, the workers in its custody, its idle children."""
-        reply, fds = self._call({"op": "status"})
-        for fd in fds:
-            os.close(fd)
-        return reply
+    def status(self) -> dict[str, Any]:
+        """The keeper's own account: its identity, the workers in its custody (all pages of them),
+        its idle children."""
+        workers: list[Any] = []
+        while True:
+            reply, fds = self._call({"op": "status", "offset": len(workers)})
+            for fd in fds:
+                os.close(fd)
+            page = reply.get("workers")
+            if reply.get("op") != "status" or not isinstance(page, list):
+                raise WorkerError(f"the keeper answered a status request with {reply}")
+            workers += page
+            if not page or len(workers) >= int(reply.get("total", 0)):
+                return {**reply, "workers": workers}
 
     def idle_children(self) -> list[ProcessIdentity]:
         """The armed children in hand, in the order launches take them (after waiting for those
@@ -420,7 +429,7 @@ class KeeperClient:
 
     # ------------------------------------------------------------------ requests and replies
 
-    def _call(self, body: dict[str, object]) -> tuple[dict[str, object], list[int]]:
+    def _call(self, body: dict[str, object]) -> tuple[dict[str, Any], list[int]]:
         """One request and its reply; once more with a new keeper if this one died meanwhile."""
         for attempt in (1, 2):
             with self._lock:
@@ -443,7 +452,7 @@ class KeeperClient:
                         raise  # (it disconnected: the next exchange starts or finds a new keeper)
         raise AssertionError("unreachable")
 
-    def _receive_one(self) -> tuple[dict[str, object], list[int]] | None:
+    def _receive_one(self) -> tuple[dict[str, Any], list[int]] | None:
         """Read one message; armed children (and failures to arm) are kept, None returned."""
         assert self._sock is not None
         try:

@@ -16,7 +16,8 @@ Requests (agent -> keeper) and replies (``fds`` travel with the reply)::
                                              fds: request (w), status (r), done (w), notice (r), pidfd
     {"op": "watch", "run_dir", "launch_id"} -> {"op": "watching", "pid", "start_time"}  fds: notice (r)
                                              | {"op": "final"}   (no live custody: read worker.json)
-    {"op": "status"}                      -> {"op": "status", "pid", "start_time", "workers": [...]}
+    {"op": "status", "offset": 0}         -> {"op": "status", "pid", "start_time", "total",
+                                              "workers": [up to 100 from offset], "idle_children"}
     anything else                         -> {"op": "error", "request": <op>, "message"}
 
 ``hello`` must come first on a connection; a protocol number other than the keeper's is refused

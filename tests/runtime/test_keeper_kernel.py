@@ -373,3 +373,13 @@ def test_a_keeper_that_cannot_start_is_a_clear_error_retried_with_backoff(tmp_pa
             client.connect()  # not at once again: the agent's loops must not spin on it
     finally:
         client.close()
+
+
+def test_status_pages_through_more_workers_than_a_message_holds(tmp_path, keeper, kill_workers):
+    for n in range(110):  # one page is 100
+        worker = keeper.launch(make_request(tmp_path / f"w{n}", None, ["sleep", "300"]))
+        kill_workers.append(worker.identity)
+        worker.close()
+    status = keeper.status()
+    assert status["total"] == 110
+    assert sorted(w["pid"] for w in status["workers"]) == sorted(w.pid for w in kill_workers)
