@@ -107,7 +107,7 @@ def process_gone(pid: int) -> bool:
         state = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return True
-    return state[state.rindex(")") + 2] == "Z"  # a zombie has ended; its keeper reaps it
+    return state[state.rindex(")") + 2] == "Z"  # a zombie has ended; the keeper reaps it
 
 
 def in_test_parent(pid: int) -> bool:
@@ -130,6 +130,7 @@ def pids_in_test_parent() -> set[int]:
 
 def clean_up(daemon: Daemon) -> None:
     daemon.stop()
+    daemon.stop_keeper()
     # The workers the test saw, and any it never saw (a worker that never became ready) that still
     # sits in the test's slots.
     leftovers = {p for p in daemon.worker_pids if in_test_parent(p)} | pids_in_test_parent()
