@@ -182,9 +182,13 @@ def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -
         cgroup_parent=iso.cgroup_parent,
         reserved_cpus=reserved,
         network=SlotNetworkConfig(
-            cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix
+            cidr=iso.network_cidr,
+            netns_prefix=iso.netns_prefix,
+            veth_prefix=iso.veth_prefix,
+            nft_table=iso.firewall_table,
         ),
         qos=QosDefaults(pids_max=iso.pids_max),
+        allow_unfiltered_network=iso.allow_unfiltered_network,
     )
     return KernelIsolation(SlotIsolator(host, isolation))
 

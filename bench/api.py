@@ -64,6 +64,7 @@ from tests.daemon import DaemonProcess, nodeagent_argv
 PARENT = f"natest{os.getpid()}b.slice"
 NETNS_PREFIX = f"nb{os.getpid()}-"
 VETH_PREFIX = "ntb"
+FIREWALL_TABLE = f"natest{os.getpid()}b"
 TICKS = os.sysconf("SC_CLK_TCK")
 PAIR_REQUEST: dict[str, Any] = {"qos": "burstable", "resources": {"cpus": 0.1, "memory": "32Mi"}}
 IDLE_WORKER = {"command": ["sleep", "infinity"], "restart": "never", "stop_grace_seconds": 1}
@@ -79,13 +80,18 @@ TOTAL_CPU_TARGET_PERCENT = 0.5
 def config_text() -> str:
     return (
         f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-        f'veth_prefix = "{VETH_PREFIX}"\n\n[log]\nlevel = "warning"\n'
+        f'veth_prefix = "{VETH_PREFIX}"\nfirewall_table = "{FIREWALL_TABLE}"\n\n[log]\nlevel = "warning"\n'
     )
 
 
 def agent_config(state_dir: Path) -> AgentConfig:
     data = {
-        "isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX, "veth_prefix": VETH_PREFIX},
+        "isolation": {
+            "cgroup_parent": PARENT,
+            "netns_prefix": NETNS_PREFIX,
+            "veth_prefix": VETH_PREFIX,
+            "firewall_table": FIREWALL_TABLE,
+        },
         "log": {"level": "warning"},
     }
     return apply_overrides(parse_config(data), state_dir=state_dir)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from nodeagent.cgroups import detect
+from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
 
@@ -159,7 +160,13 @@ def main() -> None:
     print(f"{args.requests} requests of ~{args.work_ms} ms ({work} iterations) with {args.gap_ms} ms gaps; "
           f"{args.neighbours} busy neighbours; {args.rounds} interleaved rounds")  # fmt: skip
 
-    isolator = SlotIsolator(detect(), IsolationConfig(cgroup_parent=f"natestbench{os.getpid()}.slice"))
+    # Names of its own for everything remove_all() takes down: a running agent's slots, veths,
+    # netns and firewall table are never the benchmark's to remove.
+    tag = f"nabench{os.getpid() % 10000}"
+    network = SlotNetworkConfig(netns_prefix=f"{tag}-", veth_prefix=tag, nft_table=f"{tag}-fw")
+    isolator = SlotIsolator(
+        detect(), IsolationConfig(cgroup_parent=f"natestbench{os.getpid()}.slice", network=network)
+    )
     results: dict[str, list[list[float]]] = {s: [] for s in SCENARIOS}
     try:
         loop_slot = isolator.apply(

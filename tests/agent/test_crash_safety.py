@@ -39,18 +39,32 @@ ITERATIONS = 50 if os.environ.get("CI") else int(os.environ.get("NODEAGENT_CRASH
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PARENT = f"natest{os.getpid()}c.slice"
 NETNS_PREFIX = f"nt{os.getpid()}-"
+#: its own firewall table too: remove_all() deletes the configured one
+FIREWALL_TABLE = f"natest{os.getpid()}c"
 NAMES = ("a", "b", "c")
 HOLDING = ("pending", "ready", "running", "releasing")
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n')
+    d = DaemonProcess(
+        tmp_path,
+        f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
+        f'firewall_table = "{FIREWALL_TABLE}"\n',
+    )
     yield d
     d.stop()
     d.stop_keeper()
     cfg = apply_overrides(
-        parse_config({"isolation": {"cgroup_parent": PARENT, "netns_prefix": NETNS_PREFIX}}),
+        parse_config(
+            {
+                "isolation": {
+                    "cgroup_parent": PARENT,
+                    "netns_prefix": NETNS_PREFIX,
+                    "firewall_table": FIREWALL_TABLE,
+                }
+            }
+        ),
         state_dir=d.state,
     )
     kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())

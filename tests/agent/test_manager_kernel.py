@@ -35,7 +35,9 @@ REQUEST = {
 @pytest.fixture
 def config(tmp_path: Path) -> Iterator[object]:
     cfg = apply_overrides(
-        parse_config({"isolation": {"cgroup_parent": PARENT}}), state_dir=tmp_path / "state"
+        # Its own firewall table too: remove_all() below deletes the configured one.
+        parse_config({"isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m"}}),
+        state_dir=tmp_path / "state",
     )
     ensure_state_dir(cfg.state_dir)
     yield cfg
