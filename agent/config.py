@@ -83,6 +83,10 @@ class IsolationConfig:
     network_cidr: str = "10.231.0.0/16"
     netns_prefix: str = "na-"
     veth_prefix: str = "nah"
+    #: The agent's nftables table (family inet) with the slots' default-deny rules.
+    firewall_table: str = "nodeagent"
+    #: Where that firewall cannot run (no nftables), give slots a network anyway, unfiltered.
+    allow_unfiltered_network: bool = False
     pids_max: int = 4096  #: per-slot pids limit
     #: keep every task the agent does not own, kernel threads and interrupts off exclusive CPUs:
     #: "auto" (when the agent runs as root and isolates slots) or "off"
@@ -341,7 +345,12 @@ def _option_text(value: Any) -> str:
 def _check_network(config: AgentConfig) -> None:
     iso = config.isolation
     try:
-        SlotNetworkConfig(cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix)
+        SlotNetworkConfig(
+            cidr=iso.network_cidr,
+            netns_prefix=iso.netns_prefix,
+            veth_prefix=iso.veth_prefix,
+            nft_table=iso.firewall_table,
+        )
     except ConfigError as err:
         raise ConfigError(f"{_where(config.source, 'isolation')}: {err}") from None
 

@@ -4,7 +4,8 @@ Order of start-up: configuration -> state directory (0700) and API token (0600) 
 slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/or a unix socket)
 -> ``READY=1`` to systemd once the sockets listen, then ``WATCHDOG=1`` pings when systemd asked
 for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but never the workers: they
-are not our children and outlive the agent, and the next start re-adopts them.
+are the host keeper's children (runtime/keeper.py, which outlives the agent too), and the next
+start re-attaches to the keeper and re-adopts them.
 
 Logs are JSON lines on stdout (journald keeps them as they are).
 """
@@ -43,7 +44,8 @@ from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
 from nodeagent.placement import placement_index
-from nodeagent.runtime.workers import SpawnerRuntime
+from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
@@ -182,9 +184,13 @@ def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -
         cgroup_parent=iso.cgroup_parent,
         reserved_cpus=reserved,
         network=SlotNetworkConfig(
-            cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix
+            cidr=iso.network_cidr,
+            netns_prefix=iso.netns_prefix,
+            veth_prefix=iso.veth_prefix,
+            nft_table=iso.firewall_table,
         ),
         qos=QosDefaults(pids_max=iso.pids_max),
+        allow_unfiltered_network=iso.allow_unfiltered_network,
     )
     return KernelIsolation(SlotIsolator(host, isolation))
 
@@ -260,8 +266,10 @@ def build_manager(
         StateStore(config.database_path, manifests=Manifests(config.state_dir / "slots")),
         topo,
         isolation,
-        SpawnerRuntime(
-            config.state_dir / "workers", host if isinstance(isolation, KernelIsolation) else None
+        KeeperRuntime(
+            config.state_dir / "workers",
+            host if isinstance(isolation, KernelIsolation) else None,
+            KeeperClient(config.state_dir / "keeper"),
         ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,

@@ -53,6 +53,13 @@ def _default_bpf_probe() -> str | None:
     return None
 
 
+def _default_firewall_probe() -> str | None:
+    """Send the slot firewall's rules to the kernel in dry-run mode; None when they would load."""
+    from nodeagent.isolation.firewall import NftFirewall  # noqa: PLC0415 - ctypes, only here
+
+    return NftFirewall().problem()
+
+
 @dataclass(frozen=True)
 class HostRoots:
     """Where the host's interfaces are, plus the probes that go beyond reading files."""
@@ -63,6 +70,7 @@ class HostRoots:
     fs: Path = Path("/")  # prefix for mount points read from mountinfo
     euid: int = field(default_factory=os.geteuid)
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
+    firewall_probe: Callable[[], str | None] = _default_firewall_probe
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
@@ -220,6 +228,24 @@ def check_network_namespaces(roots: HostRoots) -> Check:
     if ip is None:
         return Check(name, "WARN", "netns available but the ip command is missing", "install iproute2")
     return Check(name, "OK", f"available, with {ip}")
+
+
+def check_network_firewall(roots: HostRoots) -> Check:
+    """The slots' default-deny (nftables through libnftables): without it a slot's network reaches
+    every host service, so network requests are refused unless allow_unfiltered_network is set."""
+    name = "network firewall"
+    if roots.euid != 0:
+        return Check(name, "WARN", "not root: nftables rules cannot be loaded", "run the agent as root")
+    problem = roots.firewall_probe()
+    if problem is not None:
+        return Check(
+            name,
+            "WARN",
+            problem,
+            "install nftables (apt-get install nftables); until then slots that ask for a network are "
+            "refused, or run unfiltered with [isolation] allow_unfiltered_network = true",
+        )
+    return Check(name, "OK", "nftables (libnftables JSON API): the kernel accepts the slot rules (dry run)")
 
 
 def _effective_caps(roots: HostRoots) -> int:
@@ -593,6 +619,7 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
             _guarded("device access control", lambda: check_device_filter(roots, host)),
         ]
     checks.append(_guarded("network namespaces", lambda: check_network_namespaces(roots)))
+    checks.append(_guarded("network firewall", lambda: check_network_firewall(roots)))
     try:
         checks += check_gpus(roots)
     except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing

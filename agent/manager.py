@@ -35,9 +35,11 @@ Reconcile on :meth:`SlotManager.start` (decisions):
 
 ``failed`` slots hold no resources and no kernel objects; allocating the same name again retries.
 
-Degraded mode: when the kernel side cannot isolate (no root, no cgroups), ``node().degraded`` says
-why and ``allocate`` raises Unsupported, unless ``allow_unisolated`` is set, in which case slots
-are bookkeeping only and workers run without kernel isolation.
+Degraded mode: when the kernel side cannot isolate at all (no root, no cgroups: ``isolates`` is
+false), ``node().degraded`` says why and ``allocate`` raises Unsupported, unless
+``allow_unisolated`` is set, in which case slots are bookkeeping only and workers run without
+kernel isolation. ``degraded`` also lists single mechanisms the host lacks (network filtering);
+isolation refuses the requests that need them.
 """
 
 from __future__ import annotations
@@ -344,8 +346,8 @@ class SlotManager:
         return AllocateResult(self._view(self._slot(slot.id)), created=True)
 
     def _check_isolation(self) -> None:
-        degraded = self._isolation.degraded()
-        if degraded and not self._allow_unisolated:
+        if not self._isolation.isolates and not self._allow_unisolated:
+            degraded = self._isolation.degraded()
             raise Unsupported(
                 "this agent cannot isolate slots: " + "; ".join(degraded) + ". Run it as root (or on a "
                 "delegated cgroup), or set [isolation] allow_unisolated = true to run slots without isolation"
@@ -566,7 +568,7 @@ class SlotManager:
         with self._lock:
             self._ready = False
             self._host_ready = False
-            isolated = not self._isolation.degraded()
+            isolated = self._isolation.isolates
             if isolated:
                 self._account_for_busy_slots(report)
                 # Orphans first: a leftover shared-slot cgroup (say of a slot that failed mid-rollback)
@@ -664,7 +666,7 @@ class SlotManager:
                 report.failed.append(slot.name)
 
     def _cgroup_vanished(self, slot: Slot) -> bool:
-        if self._isolation.degraded():
+        if not self._isolation.isolates:
             return False
         return slot.applied is None or not self._isolation.exists(slot.applied)
 

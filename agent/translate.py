@@ -14,7 +14,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest
 from nodeagent.isolation.backend import OwnedSlot
 from nodeagent.isolation.devices import assigned_device_nodes
-from nodeagent.isolation.spec import SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.schema.request import parse_slot_request
@@ -42,7 +42,13 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
         memory_bytes=a.memory_bytes or None,
         device_paths=devices,
         gpu=bool(a.gpus or a.mig or a.gpu_shares),
-        network=None if res.network is None else SlotNetworkSpec(res.network.bandwidth_mbit),
+        network=None
+        if res.network is None
+        else SlotNetworkSpec(
+            res.network.bandwidth_mbit,
+            res.network.egress,
+            tuple(HostPort(p.port, p.protocol) for p in res.network.host_ports),
+        ),
         l3=res.l3_share,
     )
 

@@ -12,10 +12,13 @@ Latency and throughput, side by side in one run:
 Each allocates a burstable slot (0.1 CPU, 32Mi, no worker) and releases it; the table gives median
 and p99 per call and allocate+release pairs per second.
 
-Footprint of ``nodeagent serve`` (and, separately, of what it starts): RSS (VmRSS) and idle CPU as %
-of one core (utime+stime from /proc/PID/stat over --idle-seconds with no API calls), fresh, with 0
-slots after the round trips, and with --slots best-effort slots (0.01 CPU, 8Mi) each running a
-minimal worker (``sleep infinity``, restart never). Targets: RSS < 80 MB, idle CPU < 1% of a core.
+Footprint of ``nodeagent serve`` and of its host keeper (the one process, besides the workers, that
+it starts): the daemon's RSS (VmRSS), the keeper's PSS (its pages shared with its pre-forked idle
+children counted once, between them) and idle CPU as % of one core (utime+stime from /proc/PID/stat
+over --idle-seconds with no API calls), fresh, with 0 slots after the round trips, and with --slots
+best-effort slots (0.01 CPU, 8Mi) each running a minimal worker (``sleep infinity``, restart
+never). Targets: daemon RSS < 80 MB and idle CPU < 1% of a core; daemon RSS + keeper PSS (with its
+idle children) < 100 MB and daemon + keeper idle CPU < 0.5% of a core at 500 slots.
 ``--profile`` then runs the same slots under an in-process SlotManager: memory per slot, the
 supervision loop's idle CPU (it waits on all pidfds at once and ticks only what is due), what a
 full sweep over every supervisor costs (``SlotManager.tick()``), and one /metrics render.
@@ -54,17 +57,21 @@ from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.runtime.keeper_client import keeper_identity, stop_keeper
 from nodeagent.schema.request import parse_slot_request
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}b.slice"
 NETNS_PREFIX = f"nb{os.getpid()}-"
 VETH_PREFIX = "ntb"
+FIREWALL_TABLE = f"natest{os.getpid()}b"
 TICKS = os.sysconf("SC_CLK_TCK")
 PAIR_REQUEST: dict[str, Any] = {"qos": "burstable", "resources": {"cpus": 0.1, "memory": "32Mi"}}
 IDLE_WORKER = {"command": ["sleep", "infinity"], "restart": "never", "stop_grace_seconds": 1}
 RSS_TARGET_MB = 80.0
 CPU_TARGET_PERCENT = 1.0
+TOTAL_TARGET_MB = 100.0
+TOTAL_CPU_TARGET_PERCENT = 0.5
 
 
 # =========================================================================== configuration and daemon
@@ -73,7 +80,8 @@ CPU_TARGET_PERCENT = 1.0
 def config_text() -> str:
     return (
         f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-        f'veth_prefix = "{VETH_PREFIX}"\nhost_partitioning = "off"\n\n[log]\nlevel = "warning"\n'
+        f'veth_prefix = "{VETH_PREFIX}"\nfirewall_table = "{FIREWALL_TABLE}"\nhost_partitioning = "off"\n\n'
+        '[log]\nlevel = "warning"\n'
     )
 
 
@@ -85,6 +93,7 @@ def agent_config(state_dir: Path) -> AgentConfig:
             "netns_prefix": NETNS_PREFIX,
             "veth_prefix": VETH_PREFIX,
             "host_partitioning": "off",
+            "firewall_table": FIREWALL_TABLE,
         },
         "log": {"level": "warning"},
     }
@@ -92,7 +101,9 @@ def agent_config(state_dir: Path) -> AgentConfig:
 
 
 def remove_bench_objects(state_dir: Path) -> None:
-    """Everything under the bench's cgroup parent, netns and veth prefixes (kills what runs there)."""
+    """Everything under the bench's cgroup parent, netns and veth prefixes (kills what runs there),
+    and the keeper of ``state_dir``."""
+    stop_keeper(state_dir / "keeper")
     kernel = build_isolation(agent_config(state_dir), discover(gpus=False, fpgas=False), detect())
     if isinstance(kernel, KernelIsolation):
         kernel.isolator.remove_all()  # the uninstall path; no public wrapper yet
@@ -223,20 +234,37 @@ class Footprint:
     label: str
     rss_mb: float
     cpu_percent: float | None
-    helpers_pss_mb: float
-    helpers_cpu_percent: float | None
-    helpers: int
+    #: The keeper and the idle children it forked ahead of time (None: no keeper runs yet).
+    keeper_pss_mb: float | None
+    keeper_cpu_percent: float | None
+    idle_children: int
+    #: Parents of the workers other than the keeper (there should be none).
+    other_parents: int
+
+    @property
+    def total_mb(self) -> float:
+        return self.rss_mb + (self.keeper_pss_mb or 0.0)
+
+    @property
+    def total_cpu_percent(self) -> float | None:
+        if self.cpu_percent is None:
+            return None
+        return self.cpu_percent + (self.keeper_cpu_percent or 0.0)
 
 
-def helper_pids(daemon_pid: int, worker_pids: list[int]) -> list[int]:
-    """Processes the daemon started besides itself: the spawner and the keepers (workers excluded)."""
-    pids: set[int] = set()
-    with contextlib.suppress(psutil.NoSuchProcess):
-        pids |= {p.pid for p in psutil.Process(daemon_pid).children(recursive=True)}
-    for pid in worker_pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            pids.add(psutil.Process(pid).ppid())
-    return sorted(pids - set(worker_pids) - {daemon_pid, 1})
+def keeper_processes(state_dir: Path) -> list[int]:
+    """The host keeper of ``state_dir`` and the idle children it forked ahead of time (its children
+    that have not exec'd: they still run the keeper's interpreter)."""
+    identity = keeper_identity(state_dir / "keeper")
+    if identity is None:
+        return []
+    try:
+        keeper = psutil.Process(identity.pid)
+        exe = keeper.exe()
+        children = [c.pid for c in keeper.children() if c.exe() == exe]
+    except psutil.Error:
+        return []
+    return [identity.pid, *children]
 
 
 def total_cpu(pids: list[int]) -> float:
@@ -255,47 +283,78 @@ def total_pss_mb(pids: list[int]) -> float:
     return total / (1 << 20)
 
 
-def footprint(label: str, daemon_pid: int, idle_seconds: float, worker_pids: list[int]) -> Footprint:
-    helpers = helper_pids(daemon_pid, worker_pids)
-    cpu = helpers_cpu = None
+def footprint(
+    label: str, daemon_pid: int, state_dir: Path, idle_seconds: float, worker_pids: list[int]
+) -> Footprint:
+    keeper = keeper_processes(state_dir)
+    parents: set[int] = set()
+    for pid in worker_pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            parents.add(psutil.Process(pid).ppid())
+    cpu = keeper_cpu = None
     if idle_seconds > 0:
-        own0, helpers0, t0 = cpu_seconds(daemon_pid), total_cpu(helpers), time.monotonic()
+        own0, keeper0, t0 = cpu_seconds(daemon_pid), total_cpu(keeper), time.monotonic()
         time.sleep(idle_seconds)
-        own1, helpers1, t1 = cpu_seconds(daemon_pid), total_cpu(helpers), time.monotonic()
+        own1, keeper1, t1 = cpu_seconds(daemon_pid), total_cpu(keeper), time.monotonic()
         cpu = 100 * (own1 - own0) / (t1 - t0)
-        helpers_cpu = 100 * (helpers1 - helpers0) / (t1 - t0)
-    return Footprint(label, rss_mb(daemon_pid), cpu, total_pss_mb(helpers), helpers_cpu, len(helpers))
+        keeper_cpu = 100 * (keeper1 - keeper0) / (t1 - t0) if keeper else None
+    return Footprint(
+        label,
+        rss_mb(daemon_pid),
+        cpu,
+        total_pss_mb(keeper) if keeper else None,
+        keeper_cpu,
+        max(0, len(keeper) - 1),
+        len(parents - set(keeper[:1])),
+    )
 
 
 def footprint_table(rows: list[Footprint]) -> str:
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    lines = [("daemon state", "RSS MB", "idle CPU %", "helpers", "helpers PSS MB", "helpers CPU %")]
+    def mb(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
+        (
+            "daemon state",
+            "daemon RSS MB",
+            "idle CPU %",
+            "keeper PSS MB",
+            "keeper CPU %",
+            "idle children",
+            "RSS+PSS MB",
+            "CPU % both",
+        )
+    ]
     for f in rows:
         lines.append(
             (
                 f.label,
                 f"{f.rss_mb:.1f}",
                 pct(f.cpu_percent),
-                str(f.helpers),
-                f"{f.helpers_pss_mb:.1f}",
-                pct(f.helpers_cpu_percent),
+                mb(f.keeper_pss_mb),
+                pct(f.keeper_cpu_percent),
+                str(f.idle_children),
+                f"{f.total_mb:.1f}",
+                pct(f.total_cpu_percent),
             )
         )
-    verdicts = [
-        f"{f.label}: RSS {'OK' if f.rss_mb < RSS_TARGET_MB else 'OVER'}"
-        + (
-            ""
-            if f.cpu_percent is None
-            else f", idle CPU {'OK' if f.cpu_percent < CPU_TARGET_PERCENT else 'OVER'}"
-        )
-        for f in rows
-    ]
+    verdicts = []
+    for f in rows:
+        verdict = f"{f.label}: RSS {'OK' if f.rss_mb < RSS_TARGET_MB else 'OVER'}"
+        verdict += f", with the keeper {'OK' if f.total_mb < TOTAL_TARGET_MB else 'OVER'}"
+        if f.total_cpu_percent is not None:
+            verdict += f", idle CPU {'OK' if f.total_cpu_percent < TOTAL_CPU_TARGET_PERCENT else 'OVER'}"
+        if f.other_parents:
+            verdict += f", {f.other_parents} worker parent(s) besides the keeper"
+        verdicts.append(verdict)
     return (
         table(lines)
-        + f"\n(targets: RSS < {RSS_TARGET_MB:g} MB, idle CPU < {CPU_TARGET_PERCENT:g}% of one core; "
-        + "helpers = spawner + keepers, not counted against the daemon)\n"
+        + f"\n(targets: daemon RSS < {RSS_TARGET_MB:g} MB, idle CPU < {CPU_TARGET_PERCENT:g}% of one core; "
+        + f"daemon RSS + keeper PSS < {TOTAL_TARGET_MB:g} MB, daemon + keeper idle CPU < "
+        + f"{TOTAL_CPU_TARGET_PERCENT:g}%; keeper PSS includes its idle children)\n"
         + "; ".join(verdicts)
     )
 
@@ -347,6 +406,7 @@ def profile_ticks(state_dir: Path, slots: int, ticks: int = 20) -> str:
     manager = build_manager(agent_config(state_dir), discover(gpus=False, fpgas=False))
     manager.start()  # with the supervision loop, as the daemon runs it
     report: list[str] = []
+    # The keeper it starts lives in state_dir/keeper; the workspace's clean-up stops it.
     try:
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
@@ -410,7 +470,8 @@ def workspace() -> Iterator[Path]:
     try:
         yield work
     finally:
-        remove_bench_objects(work / "state")
+        for state in ("state", "inproc", "profile"):  # the daemon's, and the in-process managers'
+            remove_bench_objects(work / state)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -441,13 +502,15 @@ def main() -> None:
         client = daemon.start()
         prints: list[Footprint] = []
         try:
-            prints.append(footprint("fresh, 0 slots", daemon.pid, 0, []))
+            prints.append(footprint("fresh, 0 slots", daemon.pid, daemon.state, 0, []))
             rest_pairs(client, min(20, args.runs))  # warm-up
             rows["rest"] = rest_pairs(client, args.runs)
             if args.cli_runs:
                 rows["cli"] = cli_pairs(daemon, args.cli_runs)
             print(latency_table(rows), flush=True)
-            prints.append(footprint("0 slots, after round trips", daemon.pid, args.idle_seconds, []))
+            prints.append(
+                footprint("0 slots, after round trips", daemon.pid, daemon.state, args.idle_seconds, [])
+            )
             ids, took = allocate_idle_slots(client, args.slots)
             workers = running_worker_pids(client, args.slots)
             print(
@@ -459,7 +522,9 @@ def main() -> None:
             metrics_ms = timed_get(client, "/metrics") * 1000
             time.sleep(2)  # let the scrapes' garbage settle before the idle window
             prints.append(
-                footprint(f"{len(ids)} slots, idle workers", daemon.pid, args.idle_seconds, workers)
+                footprint(
+                    f"{len(ids)} slots, idle workers", daemon.pid, daemon.state, args.idle_seconds, workers
+                )
             )
             print(
                 f"at {len(ids)} slots: GET /v1/slots {list_ms:.1f} ms, "

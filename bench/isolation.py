@@ -49,6 +49,7 @@ from pathlib import Path
 from nodeagent.cgroups import detect, open_manager
 from nodeagent.isolation.foreign import ForeignCpuMeter
 from nodeagent.isolation.host import PARTS, HostPartitioner
+from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import host_partitioner
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
@@ -222,8 +223,12 @@ def main() -> None:
         f"{args.neighbours} busy neighbours; {args.rounds} interleaved rounds; host scope {args.host_scope}"
     )
 
+    # Names of its own for everything remove_all() takes down: a running agent's slots, veths,
+    # netns and firewall table are never the benchmark's to remove.
+    tag = f"nabench{os.getpid() % 10000}"
+    network = SlotNetworkConfig(netns_prefix=f"{tag}-", veth_prefix=tag, nft_table=f"{tag}-fw")
     parent = f"natestbench{os.getpid()}.slice"
-    isolator = SlotIsolator(detect(), IsolationConfig(cgroup_parent=parent))
+    isolator = SlotIsolator(detect(), IsolationConfig(cgroup_parent=parent, network=network))
     results: dict[str, list[list[float]]] = {s: [] for s in SCENARIOS}
     foreign: dict[str, list[float]] = {s: [] for s in HOST_SCENARIOS}
     state = Path(tempfile.mkdtemp(prefix="nodeagent-bench-"))

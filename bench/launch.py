@@ -3,9 +3,10 @@
 Side by side in one run, interleaved launch by launch so the shared machine's noise hits every
 contender alike (run as root on a cgroup v1 or hybrid host):
 
-  nodeagent        Spawner.launch(): the agent writes the request to a pre-forked child of an idle
-                   keeper, which joins the slot (cpuset, memory, pids) and execs; timed until the
-                   agent knows exec succeeded. Path: Python child (no C shim exists).
+  nodeagent        KeeperClient.launch(): the agent writes the request to a child the host keeper
+                   forked ahead of time, which joins the slot (cpuset, memory, pids) and execs;
+                   timed until the agent holds the running worker (exec succeeded). Path: Python
+                   child (no C shim exists). The keeper runs from a throwaway state directory.
   popen-preexec    subprocess.Popen(preexec_fn=join the slot via cgroup.procs): the by-hand
                    fork/join/exec baseline (preexec_fn forces fork instead of vfork)
   popen-plain      subprocess.Popen with no cgroup at all: the floor
@@ -25,6 +26,9 @@ symlinks, a mount
 namespace only, and the same limits as the slot.
 
     python bench/launch.py [--runs 200] [--gap-ms 50] [--profile]
+
+To compare with another checkout in the same conditions, run its bench.launch right before or
+after this one (``PYTHONPATH`` pointing at a tree of that checkout's packages).
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nodeagent.runtime.enter import join_file
+from nodeagent.runtime.keeper_client import KeeperClient, stop_keeper
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spawner import Spawner
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpuset", "memory", "pids")
@@ -172,9 +176,9 @@ class Crun:
 Launch = Callable[[list[str]], "subprocess.Popen[bytes] | None"]
 
 
-def nodeagent_launcher(spawner: Spawner, work: Path, tag: str = "bench") -> Launch:
+def nodeagent_launcher(keeper: KeeperClient, work: Path, tag: str = "bench") -> Launch:
     def launch(procs: list[str]) -> None:
-        spawner.launch(
+        worker = keeper.launch(
             LaunchRequest(
                 launch_id=f"{tag}-{time.monotonic_ns()}",
                 argv=(WORKER,),
@@ -184,8 +188,21 @@ def nodeagent_launcher(spawner: Spawner, work: Path, tag: str = "bench") -> Laun
                 cgroup_procs=tuple(procs),
             )
         )
+        worker.close()  # the keeper reaps and records it; the bench needs nothing more
 
     return launch
+
+
+@contextlib.contextmanager
+def keeper_in(work: Path) -> Iterator[KeeperClient]:
+    """A keeper of its own for the bench, stopped afterwards (its workers, /bin/true, are gone)."""
+    client = KeeperClient(work / "keeper")
+    try:
+        client.connect()
+        yield client
+    finally:
+        client.close()
+        stop_keeper(work / "keeper")
 
 
 def popen_preexec(procs: list[str]) -> subprocess.Popen[bytes]:
@@ -253,9 +270,9 @@ def profile(runs: int, gap: float, work: Path) -> None:
     trace = work / "trace"
     os.environ["NODEAGENT_LAUNCH_TRACE"] = str(trace)
     try:
-        with Spawner() as spawner:
+        with keeper_in(work) as keeper:
             for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
-                launch = nodeagent_launcher(spawner, work, regime)
+                launch = nodeagent_launcher(keeper, work, regime)
                 for index in range(runs + 1):
                     time_once(launch, f"natest{os.getpid()}-profile-{index}", pause)
                 print_stages(regime, trace)
@@ -341,9 +358,9 @@ def main() -> None:
             f"launch -> exec of {WORKER} in a cpuset+memory+pids slot, {args.runs} runs each, interleaved; "
             f"agent RSS {rss}, load {os.getloadavg()[0]:.2f}; nodeagent path: Python child (no C shim)"
         )
-        with Spawner() as spawner, optional_crun(not args.no_crun) as crun:
+        with keeper_in(work) as keeper, optional_crun(not args.no_crun) as crun:
             contenders = {
-                "nodeagent": nodeagent_launcher(spawner, work),
+                "nodeagent": nodeagent_launcher(keeper, work),
                 "popen-preexec": popen_preexec,
                 "popen-plain": popen_plain,
             }

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from nodeagent.cgroups import open_manager
+from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot, OwnedSlot, SlotIsolator
 from nodeagent.isolation.spec import SlotIsolationSpec
 
@@ -25,8 +26,14 @@ class IsolationBackend(Protocol):
     @property
     def cgroup_mode(self) -> str: ...
 
+    @property
+    def isolates(self) -> bool:
+        """Whether slots get kernel isolation at all (False: bookkeeping only)."""
+        ...
+
     def degraded(self) -> tuple[str, ...]:
-        """What this host cannot isolate, and why (empty when everything works)."""
+        """What this host cannot isolate, and why (empty when everything works). Not empty does not
+        mean nothing is isolated: a host may lack one mechanism only (see :attr:`isolates`)."""
         ...
 
     def prepare(self) -> None:
@@ -60,14 +67,19 @@ class KernelIsolation:
     def __init__(self, isolator: SlotIsolator, *, extra_degraded: Sequence[str] = ()) -> None:
         self.isolator = isolator
         self._extra_degraded = tuple(extra_degraded)
+        self._firewall_failure: tuple[str, ...] = ()
 
     @property
     def cgroup_mode(self) -> str:
         return self.isolator.host.mode
 
+    @property
+    def isolates(self) -> bool:
+        return self.isolator.host.can_write
+
     def degraded(self) -> tuple[str, ...]:
         host = self.isolator.host
-        reasons = list(self._extra_degraded)
+        reasons = [*self._extra_degraded, *self.isolator.degraded(), *self._firewall_failure]
         if not host.can_write:
             reasons.insert(
                 0, f"cgroups (mode {host.mode}) are not writable: no CPU, memory or device isolation"
@@ -76,6 +88,13 @@ class KernelIsolation:
 
     def prepare(self) -> None:
         self.isolator.ensure_hierarchy()
+        try:
+            self.isolator.ensure_firewall()
+        except NodeAgentError as err:
+            # Availability first: the agent still serves, and says why network slots will fail.
+            self._firewall_failure = (f"network filtering: the firewall table could not be set up: {err}",)
+        else:
+            self._firewall_failure = ()
 
     def apply(self, spec: SlotIsolationSpec) -> AppliedSlot:
         return self.isolator.apply(spec)
@@ -95,6 +114,7 @@ class KernelIsolation:
             [f"cgroup {path}" for path in removed.cgroups.values()]
             + [f"netns {name}" for name in removed.network.netns]
             + [f"veth {name}" for name in removed.network.host_veths]
+            + [f"firewall opt-ins of {name}" for name in removed.network.firewall_ifnames]
             + [f"resctrl group {name}" for name in removed.resctrl_groups]
         )
 
@@ -109,6 +129,10 @@ class NoIsolation:
     @property
     def cgroup_mode(self) -> str:
         return self._mode
+
+    @property
+    def isolates(self) -> bool:
+        return False
 
     def degraded(self) -> tuple[str, ...]:
         return self._reasons

@@ -382,9 +382,9 @@ class CgroupSiblings:
                 # Back to "no AllowedCPUs=": systemd would write an empty cpuset, which the kernel
                 # refuses for a cgroup with tasks (ENOSPC), leaving them confined. The parent's CPUs,
                 # named, first (the same set, and it widens the tasks); then the setting as it was.
-                parent = (_read(self.mount / knob.key / ".." / "cpuset.cpus.effective") or "").strip()
-                if parent:
-                    self._systemctl(["set-property", "--runtime", knob.label, f"AllowedCPUs={parent}"])
+                above = (_read(self.mount / knob.key / ".." / "cpuset.cpus.effective") or "").strip()
+                if above:
+                    self._systemctl(["set-property", "--runtime", knob.label, f"AllowedCPUs={above}"])
             # --runtime: gone at reboot, as the slots are.
             self._systemctl(["set-property", "--runtime", knob.label, f"AllowedCPUs={format_cpulist(cpus)}"])
         else:

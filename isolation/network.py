@@ -1,4 +1,4 @@
-"""A network namespace per slot: a routed veth pair to the host, egress shaping, no slot-to-slot traffic.
+"""A network namespace per slot: a routed veth pair to the host, egress shaping, default-deny.
 
 Design (why it looks like this):
 
@@ -8,12 +8,20 @@ Design (why it looks like this):
   default route points at the host side. The connected route on the host-side veth is the host's
   route back. Without a bridge there is no shared L2 segment, so slots can only talk to each
   other if the host forwards between them.
-- **Slot-to-slot drop by policy routing.** The host may have ``ip_forward`` on (container hosts
-  often do), so every slot also gets a policy rule ``iif <host veth> to <pool> prohibit`` ahead
-  of the main table. It matches whatever source address the slot forges, needs no nftables or
-  iptables userland (this host has neither) and disappears with the slot. What it does not
-  block is local delivery: a slot reaches the host through *any* of the host's addresses, as it
-  can through its own gateway anyway. Host services meant for one slot only must check the peer.
+- **Default deny by netfilter.** A slot reaches only what its request allows
+  (:class:`SlotAccess`): by default nothing but replies to connections the host opened into it
+  (the agent's probes). The rules live in one nftables table of the agent's own
+  (:mod:`nodeagent.isolation.firewall`): its chains drop whatever enters the host from an
+  interface with the veth prefix (to any host address, in ``input``; to another slot or
+  anywhere else, in ``forward``), and two sets hold the per-slot opt-ins (host ports; egress
+  through NAT). Matching the prefix rather than a list of slots makes the deny hold for a veth the
+  agent has not registered yet, or forgot in a crash. The backends take the firewall as a
+  collaborator (:class:`SlotFirewall`); without one a slot's network is *unfiltered*, which the
+  isolator allows only when configured to.
+- **Slot-to-slot drop by policy routing, too.** Every slot also gets a policy rule
+  ``iif <host veth> to <pool> prohibit`` ahead of the main table. It is the only slot-to-slot
+  barrier of an unfiltered slot, answers a filtered slot's attempt at once (ICMP prohibited,
+  instead of a silent drop and a connect timeout), and disappears with the slot.
 - **Shaping.** Egress (traffic leaving the slot) is a tbf qdisc on the slot-side veth, a real
   shaper that TCP adapts to. Optional ingress (traffic into the slot) is a tbf on the host-side
   veth, out of the slot's reach. The kernel here lacks the police and gact actions, so policing
@@ -26,9 +34,14 @@ Design (why it looks like this):
   is the faster of the two (see :func:`default_backend`). Removal and listing are netlink calls
   in the host netns for both.
 
+Order of a setup: the firewall's elements first (keyed by interface name, so they can precede the
+interface), then netns, veth, addresses, routes, the policy rule and shaping; any failure removes
+all of it again. Teardown goes the other way round: opt-ins are revoked before the veth goes.
+
 Names: the netns is ``<netns_prefix><slot id>`` (a file under /run/netns, so slot ids are
 validated), the host-side veth ``<veth_prefix><hash of slot id>`` (at most 15 characters). Both
-prefixes are the ownership mark that :meth:`NetworkBackend.list_owned` uses to find orphans.
+prefixes are the ownership mark that :meth:`NetworkBackend.list_owned` uses to find orphans; the
+firewall's elements are found by the veth names they carry.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError, os_error_message
 
@@ -57,6 +70,7 @@ IFNAMSIZ = 15  # usable characters of a Linux interface name
 _MIN_HASH_CHARS = 4
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MAX_SLOT_ID = 64
+_TABLE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 _CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
@@ -82,6 +96,8 @@ class SlotNetworkConfig:
     rule_priority: int = 3231
     shaping_latency_ms: int = 50
     netns_dir: Path = NETNS_RUN_DIR
+    #: The agent's own nftables table (family inet) holding every slot's firewall rules.
+    nft_table: str = "nodeagent"
 
     def __post_init__(self) -> None:
         pool = self.pool  # validates cidr
@@ -105,6 +121,11 @@ class SlotNetworkConfig:
             raise ConfigError(f"network slot_ifname {self.slot_ifname!r} is not a valid interface name")
         if not 0 < self.rule_priority < 32766:
             raise ConfigError(f"network rule_priority {self.rule_priority} must lie between 1 and 32765")
+        if not _TABLE_RE.match(self.nft_table):
+            raise ConfigError(
+                f"network nft_table {self.nft_table!r} must be 1-64 letters, digits, '_' or '-', "
+                "starting with a letter"
+            )
 
     @property
     def pool(self) -> ipaddress.IPv4Network:
@@ -116,9 +137,80 @@ class SlotNetworkConfig:
             ) from None
 
 
+Egress = Literal["none", "nat"]
+EGRESS_MODES: tuple[Egress, ...] = ("none", "nat")
+Transport = Literal["tcp", "udp"]
+TRANSPORTS: tuple[Transport, ...] = ("tcp", "udp")
+
+
+@dataclass(frozen=True, order=True)
+class HostPort:
+    """A port on the host that a slot may connect to, at any of the host's IPv4 addresses."""
+
+    port: int
+    protocol: Transport = "tcp"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in TRANSPORTS:
+            raise InvalidRequest(
+                f"host port protocol {self.protocol!r} is not one of {', '.join(TRANSPORTS)}"
+            )
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise InvalidRequest(f"host port {self.port!r} is not a port number from 1 to 65535")
+
+    def __str__(self) -> str:
+        return f"{self.port}/{self.protocol}"
+
+
+@dataclass(frozen=True)
+class SlotAccess:
+    """What a slot's network may reach besides replies to connections opened into it.
+
+    Nothing by default. ``egress="nat"``: anywhere beyond the host, masqueraded behind the host's
+    address (never another slot, never the host itself, never link-local 169.254.0.0/16).
+    ``host_ports``: these TCP/UDP ports on the host itself. Held sorted, so equal access compares
+    equal whatever order the request listed the ports in.
+    """
+
+    egress: Egress = "none"
+    host_ports: tuple[HostPort, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.egress not in EGRESS_MODES:
+            raise InvalidRequest(f"network egress {self.egress!r} is not one of {', '.join(EGRESS_MODES)}")
+        ports = tuple(sorted(self.host_ports))
+        twice = sorted({str(p) for p in ports if ports.count(p) > 1})
+        if twice:
+            raise InvalidRequest(f"host_ports lists {', '.join(twice)} more than once; list each port once")
+        object.__setattr__(self, "host_ports", ports)
+
+    @property
+    def nat(self) -> bool:
+        return self.egress == "nat"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "egress": self.egress,
+            "host_ports": [{"port": p.port, "protocol": p.protocol} for p in self.host_ports],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SlotAccess:
+        return cls(
+            egress=data.get("egress", "none"),
+            host_ports=tuple(
+                HostPort(p["port"], p.get("protocol", "tcp")) for p in data.get("host_ports", ())
+            ),
+        )
+
+
 @dataclass(frozen=True)
 class SlotNetwork:
-    """What :meth:`NetworkBackend.setup` built for a slot (stored with the slot's state)."""
+    """What :meth:`NetworkBackend.setup` built for a slot (stored with the slot's state).
+
+    ``filtered``: the firewall's default-deny applies to the slot (False: set up without a
+    firewall, as allowed by configuration, or stored before the firewall existed).
+    """
 
     slot_id: str
     netns: str
@@ -130,6 +222,8 @@ class SlotNetwork:
     slot_address: ipaddress.IPv4Address
     egress_mbit: float | None = None
     ingress_mbit: float | None = None
+    access: SlotAccess = field(default_factory=SlotAccess)
+    filtered: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,6 +237,8 @@ class SlotNetwork:
             "slot_address": str(self.slot_address),
             "egress_mbit": self.egress_mbit,
             "ingress_mbit": self.ingress_mbit,
+            "access": self.access.to_json(),
+            "filtered": self.filtered,
         }
 
     @classmethod
@@ -158,6 +254,9 @@ class SlotNetwork:
             slot_address=ipaddress.IPv4Address(data["slot_address"]),
             egress_mbit=data.get("egress_mbit"),
             ingress_mbit=data.get("ingress_mbit"),
+            # Records written before the firewall existed have neither: no opt-ins, unfiltered.
+            access=SlotAccess.from_json(data.get("access") or {}),
+            filtered=bool(data.get("filtered", False)),
         )
 
 
@@ -168,10 +267,12 @@ class OwnedNetwork:
     netns: tuple[str, ...] = ()
     host_veths: tuple[str, ...] = ()
     rule_ifnames: tuple[str, ...] = ()
+    #: host veth names that hold firewall opt-ins (set elements) in the agent's table
+    firewall_ifnames: tuple[str, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not (self.netns or self.host_veths or self.rule_ifnames)
+        return not (self.netns or self.host_veths or self.rule_ifnames or self.firewall_ifnames)
 
 
 @dataclass(frozen=True)
@@ -264,6 +365,9 @@ def plan_slot_network(
     subnet: ipaddress.IPv4Network | int,
     egress_mbit: float | None = None,
     ingress_mbit: float | None = None,
+    *,
+    access: SlotAccess | None = None,
+    filtered: bool = False,
 ) -> SlotNetwork:
     """Everything :meth:`NetworkBackend.setup` will create, decided before touching the kernel."""
     if isinstance(subnet, int):
@@ -288,14 +392,48 @@ def plan_slot_network(
         slot_address=slot,
         egress_mbit=egress_mbit,
         ingress_mbit=ingress_mbit,
+        access=access or SlotAccess(),
+        filtered=filtered,
     )
 
 
 # --------------------------------------------------------------------------- the backend interface
 
 
+class SlotFirewall(Protocol):
+    """Default-deny for slot veths, and each slot's opt-ins (:mod:`nodeagent.isolation.firewall`).
+
+    Every method is idempotent and keyed by the host veth's name, so a crash at any point leaves
+    nothing that :meth:`list_owned` cannot find.
+    """
+
+    def ensure(self) -> None:
+        """Make the rules exist and be this version's (at the agent's start)."""
+        ...
+
+    def apply(self, plan: SlotNetwork) -> None:
+        """Make the rules exist and the slot's opt-ins equal ``plan.access`` (add and remove)."""
+        ...
+
+    def remove(self, host_ifname: str) -> None:
+        """Revoke the slot's opt-ins; the default-deny stays for the prefix."""
+        ...
+
+    def list_owned(self) -> tuple[str, ...]:
+        """Host veth names that hold opt-ins."""
+        ...
+
+    def remove_owned(self, host_ifnames: Iterable[str]) -> None: ...
+
+    def remove_all(self) -> None:
+        """Remove the whole table (uninstall, tests): every slot is unfiltered afterwards."""
+        ...
+
+
 class NetworkBackend(Protocol):
     config: SlotNetworkConfig
+    #: None: slots get no firewall (unfiltered); only the isolator decides whether that is allowed.
+    firewall: SlotFirewall | None
 
     def setup(
         self,
@@ -304,6 +442,7 @@ class NetworkBackend(Protocol):
         bandwidth_mbit: float | None = None,
         *,
         ingress_mbit: float | None = None,
+        access: SlotAccess | None = None,
     ) -> SlotNetwork: ...
 
     def teardown(self, slot_id: str) -> None: ...
@@ -408,6 +547,7 @@ class Pyroute2Backend:
     """Netlink through pyroute2, from a throwaway thread that unshares its netns (no forks)."""
 
     config: SlotNetworkConfig = field(default_factory=SlotNetworkConfig)
+    firewall: SlotFirewall | None = None
     _dir_ready: bool = field(default=False, init=False, repr=False)
 
     def setup(
@@ -417,18 +557,26 @@ class Pyroute2Backend:
         bandwidth_mbit: float | None = None,
         *,
         ingress_mbit: float | None = None,
+        access: SlotAccess | None = None,
     ) -> SlotNetwork:
-        plan = plan_slot_network(self.config, slot_id, subnet, bandwidth_mbit, ingress_mbit)
+        plan = _plan(
+            self, slot_id, subnet, egress_mbit=bandwidth_mbit, ingress_mbit=ingress_mbit, access=access
+        )
         self._prepare(plan)
         try:
+            if self.firewall is not None:
+                self.firewall.apply(plan)
             _in_thread(lambda: self._build(plan))
         except BaseException:
-            self._remove(plan.netns_path, plan.host_ifname)
+            self.teardown(slot_id)
             raise
         return plan
 
     def teardown(self, slot_id: str) -> None:
-        self._remove(netns_path(self.config, slot_id), host_veth_name(self.config, slot_id))
+        host_ifname = host_veth_name(self.config, slot_id)
+        if self.firewall is not None:
+            self.firewall.remove(host_ifname)
+        self._remove(netns_path(self.config, slot_id), host_ifname)
 
     def list_owned(self) -> OwnedNetwork:
         prefix = self.config.veth_prefix
@@ -445,10 +593,15 @@ class Pyroute2Backend:
                 }
             )
         return OwnedNetwork(
-            netns=_owned_netns(self.config), host_veths=tuple(veths), rule_ifnames=tuple(rules)
+            netns=_owned_netns(self.config),
+            host_veths=tuple(veths),
+            rule_ifnames=tuple(rules),
+            firewall_ifnames=_firewall_owned(self.firewall),
         )
 
     def remove_owned(self, owned: OwnedNetwork) -> None:
+        if owned.firewall_ifnames and self.firewall is not None:
+            self.firewall.remove_owned(owned.firewall_ifnames)
         if owned.host_veths or owned.rule_ifnames:
             self._remove_links_and_rules(owned)
         for name in owned.netns:
@@ -546,6 +699,30 @@ class Pyroute2Backend:
             _unmount_netns(path)
 
 
+def _plan(
+    backend: NetworkBackend,
+    slot_id: str,
+    subnet: ipaddress.IPv4Network | int,
+    *,
+    egress_mbit: float | None,
+    ingress_mbit: float | None,
+    access: SlotAccess | None,
+) -> SlotNetwork:
+    return plan_slot_network(
+        backend.config,
+        slot_id,
+        subnet,
+        egress_mbit,
+        ingress_mbit,
+        access=access,
+        filtered=backend.firewall is not None,
+    )
+
+
+def _firewall_owned(firewall: SlotFirewall | None) -> tuple[str, ...]:
+    return () if firewall is None else firewall.list_owned()
+
+
 def _rule_spec(config: SlotNetworkConfig, host_ifname: str) -> dict[str, Any]:
     pool = config.pool
     return {
@@ -619,6 +796,7 @@ class IpBatchBackend:
     """
 
     config: SlotNetworkConfig = field(default_factory=SlotNetworkConfig)
+    firewall: SlotFirewall | None = None
     ip: str = "ip"
     tc: str = "tc"
 
@@ -629,12 +807,17 @@ class IpBatchBackend:
         bandwidth_mbit: float | None = None,
         *,
         ingress_mbit: float | None = None,
+        access: SlotAccess | None = None,
     ) -> SlotNetwork:
-        plan = plan_slot_network(self.config, slot_id, subnet, bandwidth_mbit, ingress_mbit)
+        plan = _plan(
+            self, slot_id, subnet, egress_mbit=bandwidth_mbit, ingress_mbit=ingress_mbit, access=access
+        )
         if self.config.netns_dir != NETNS_RUN_DIR:
             raise ConfigError(f"ip -batch can only place netns in {NETNS_RUN_DIR}; use Pyroute2Backend")
-        Pyroute2Backend(self.config)._prepare(plan)
+        self._netlink_twin()._prepare(plan)
         try:
+            if self.firewall is not None:
+                self.firewall.apply(plan)
             self._run([self.ip, "-batch", "-"], ip_host_batch(self.config, plan), plan)
             self._run([self.ip, "-n", plan.netns, "-batch", "-"], ip_inside_batch(plan), plan)
             for args in tc_commands(self.config, plan):
@@ -645,7 +828,7 @@ class IpBatchBackend:
         return plan
 
     def teardown(self, slot_id: str) -> None:
-        Pyroute2Backend(self.config).teardown(slot_id)
+        self._netlink_twin().teardown(slot_id)
 
     def list_owned(self) -> OwnedNetwork:
         # Without netlink (and without loading pyroute2): links from sysfs, rules from `ip -json`.
@@ -663,11 +846,18 @@ class IpBatchBackend:
             {r["iif"] for r in json.loads(done.stdout or "[]") if str(r.get("iif", "")).startswith(prefix)}
         )
         return OwnedNetwork(
-            netns=_owned_netns(self.config), host_veths=tuple(veths), rule_ifnames=tuple(rules)
+            netns=_owned_netns(self.config),
+            host_veths=tuple(veths),
+            rule_ifnames=tuple(rules),
+            firewall_ifnames=_firewall_owned(self.firewall),
         )
 
     def remove_owned(self, owned: OwnedNetwork) -> None:
-        Pyroute2Backend(self.config).remove_owned(owned)
+        self._netlink_twin().remove_owned(owned)
+
+    def _netlink_twin(self) -> Pyroute2Backend:
+        """The pyroute2 backend on the same config and firewall: removal and checks are shared."""
+        return Pyroute2Backend(self.config, self.firewall)
 
     def _run(self, argv: list[str], lines: list[str], plan: SlotNetwork) -> None:
         try:
@@ -721,10 +911,12 @@ def _tbf_args(p: TbfParams) -> list[str]:
     return ["root", "handle", "1:", "tbf", "rate", f"{p.rate_bit}bit", "burst", burst, "limit", limit]
 
 
-def default_backend(config: SlotNetworkConfig | None = None) -> NetworkBackend:
+def default_backend(
+    config: SlotNetworkConfig | None = None, firewall: SlotFirewall | None = None
+) -> NetworkBackend:
     """The faster backend where it can run (bench/network.py: ``ip -batch`` sets up a slot ~2 ms
     quicker than pyroute2 0.9, whose asyncio core costs more than two execs here), else pyroute2."""
     config = config or SlotNetworkConfig()
     if config.netns_dir == NETNS_RUN_DIR and shutil.which("ip") and shutil.which("tc"):
-        return IpBatchBackend(config)
-    return Pyroute2Backend(config)
+        return IpBatchBackend(config, firewall)
+    return Pyroute2Backend(config, firewall)

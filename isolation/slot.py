@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +44,7 @@ from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.cpus import CpuLayout, SharedPool, read_cpu_layout, shared_slot_cpus
 from nodeagent.isolation.devices import slot_device_rules
+from nodeagent.isolation.firewall import NftFirewall
 from nodeagent.isolation.network import (
     NetworkBackend,
     OwnedNetwork,
@@ -210,6 +212,7 @@ class SlotIsolator:
         self.config = config or IsolationConfig()
         self.hierarchy = self.config.hierarchy
         self._network = network_backend
+        self._firewall_problem: str | None = None
         self._resctrl = resctrl
         self._layout = layout
         self._pool: SharedPool | None = None
@@ -227,9 +230,34 @@ class SlotIsolator:
 
     @property
     def network(self) -> NetworkBackend:
+        """The network backend; by default with the nftables firewall where this host can run it."""
         if self._network is None:
-            self._network = default_backend(self.config.network)
+            firewall = NftFirewall(self.config.network)
+            self._firewall_problem = firewall.problem()
+            self._network = default_backend(self.config.network, None if self._firewall_problem else firewall)
         return self._network
+
+    @property
+    def firewall_problem(self) -> str | None:
+        """Why slots' networks would go unfiltered here (None: they are filtered)."""
+        if self.network.firewall is not None:
+            return None
+        return self._firewall_problem or "the network backend has no firewall"
+
+    def degraded(self) -> tuple[str, ...]:
+        """Isolation this host cannot give (slots are still isolated in every other way)."""
+        problem = self.firewall_problem
+        if problem is None:
+            return ()
+        if self.config.allow_unfiltered_network:
+            return (
+                f"network filtering: {problem}; slots with a network run unfiltered (they reach every "
+                "service of the host) because allow_unfiltered_network is set",
+            )
+        return (
+            f"network filtering: {problem}; slots that ask for a network are refused (install "
+            "nftables, or set [isolation] allow_unfiltered_network = true to run them unfiltered)",
+        )
 
     @property
     def resctrl(self) -> Resctrl:
@@ -255,6 +283,17 @@ class SlotIsolator:
             idle = _has_file(best_effort, "cpu", "cpu.idle")
             best_effort.set(Resources(cpu_idle=True) if idle else Resources(cpu_weight=1))
             self._ready = True
+
+    def ensure_firewall(self) -> None:
+        """At the agent's start: where slot veths exist, make sure the firewall's table does too
+        (a ruleset flush while the agent was down would leave them unfiltered until the next
+        slot's setup). A host without slot networks gets no table and loads no library."""
+        with self._lock:
+            prefix = self.config.network.veth_prefix
+            if not any(name.startswith(prefix) for name in _interface_names()):
+                return
+            if self.network.firewall is not None:
+                self.network.firewall.ensure()
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -350,10 +389,13 @@ class SlotIsolator:
             return OwnedIsolation(cgroups, network, resctrl)
 
     def remove_all(self) -> OwnedIsolation:
-        """Remove every slot and then the agent's parent cgroups (uninstall, and tests' clean-up)."""
+        """Remove every slot, the agent's parent cgroups and its firewall table (uninstall, and
+        tests' clean-up)."""
         with self._lock:
             removed = self.remove_orphans(())
             remove_subtree(self.host, self.hierarchy.parent, self.config.kill_timeout_s)
+            if self.network.firewall is not None:
+                self.network.firewall.remove_all()
             self._ready = False
             return removed
 
@@ -363,6 +405,8 @@ class SlotIsolator:
         rules = slot_device_rules(spec, self.config)
         if spec.l3 is not None:
             self.resctrl.require(l3=True)
+        if spec.network is not None:
+            self._check_network_filter(spec.slot_id)
         if not self._ready:
             self.ensure_hierarchy()
         relpath = self.hierarchy.slot_path(spec.slot_id, spec.qos)
@@ -450,17 +494,41 @@ class SlotIsolator:
             defaults=self.config.qos,
         )
 
+    def _check_network_filter(self, slot_id: str) -> None:
+        problem = self.firewall_problem
+        if problem is not None and not self.config.allow_unfiltered_network:
+            raise Unsupported(
+                f"slot {slot_id} asks for a network namespace, but this host cannot filter slot traffic: "
+                f"{problem}. Install nftables (libnftables1) and restart the agent, or set [isolation] "
+                "allow_unfiltered_network = true to give such slots a network without the default-deny "
+                "(they then reach every service of the host)"
+            )
+
     def _apply_network(self, spec: SlotIsolationSpec, undo: list[Undo]) -> SlotNetwork | None:
         if spec.network is None:
             return None
         config = self.config.network
+        access = spec.network.access
         subnets = _host_veth_subnets(config)
         existing = subnets.get(host_veth_name(config, spec.slot_id))
+        firewall = self.network.firewall
         if existing is not None and netns_path(config, spec.slot_id).exists():
-            return plan_slot_network(config, spec.slot_id, existing, spec.network.bandwidth_mbit)
+            plan = plan_slot_network(
+                config,
+                spec.slot_id,
+                existing,
+                spec.network.bandwidth_mbit,
+                access=access,
+                filtered=firewall is not None,
+            )
+            if firewall is not None:
+                # Converges the opt-ins (a resize may change them) and restores the rules if the
+                # table went away meanwhile; a failure here leaves the slot denied, never open.
+                firewall.apply(plan)
+            return plan
         self.network.teardown(spec.slot_id)  # a half-built leftover of a crash
         subnet = allocate_subnet(config, subnets.values())
-        network = self.network.setup(spec.slot_id, subnet, spec.network.bandwidth_mbit)
+        network = self.network.setup(spec.slot_id, subnet, spec.network.bandwidth_mbit, access=access)
         undo.append(lambda: self.network.teardown(spec.slot_id))
         return network
 
@@ -562,6 +630,13 @@ def _set_io_weight(manager: CgroupManager, weight: int) -> None:
         manager.set(Resources(io_weight=weight))
 
 
+def _interface_names() -> list[str]:
+    try:
+        return os.listdir("/sys/class/net")
+    except OSError:
+        return []
+
+
 def _host_veth_subnets(config: SlotNetworkConfig) -> dict[str, ipaddress.IPv4Network]:
     """host veth name -> its slot subnet, for every veth carrying our prefix."""
     from pyroute2 import IPRoute  # noqa: PLC0415 - only slots with a network need netlink
@@ -586,4 +661,5 @@ def _orphan_network(owned: OwnedNetwork, config: SlotNetworkConfig, known: froze
         netns=tuple(n for n in owned.netns if n not in keep_netns),
         host_veths=tuple(v for v in owned.host_veths if v not in keep_veths),
         rule_ifnames=tuple(r for r in owned.rule_ifnames if r not in keep_veths),
+        firewall_ifnames=tuple(f for f in owned.firewall_ifnames if f not in keep_veths),
     )

@@ -14,20 +14,37 @@ from pathlib import Path
 from nodeagent.cgroups import DEFAULT_PARENT, DeviceRule, Hierarchy
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.devices import GPU_CONTROL_NODES, SAFE_DEVICES
-from nodeagent.isolation.network import SlotNetworkConfig, validate_slot_id
+from nodeagent.isolation.network import (
+    Egress,
+    HostPort,
+    SlotAccess,
+    SlotNetworkConfig,
+    validate_slot_id,
+)
 from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosDefaults
 from nodeagent.isolation.resctrl import DEFAULT_ROOT as RESCTRL_ROOT
 
 
 @dataclass(frozen=True)
 class SlotNetworkSpec:
-    """A network namespace of the slot's own; ``bandwidth_mbit`` shapes its egress."""
+    """A network namespace of the slot's own; ``bandwidth_mbit`` shapes its egress.
+
+    What the slot may reach is ``egress`` and ``host_ports`` (:class:`SlotAccess`: nothing but
+    replies to connections opened into it, unless listed).
+    """
 
     bandwidth_mbit: float | None = None
+    egress: Egress = "none"
+    host_ports: tuple[HostPort, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bandwidth_mbit is not None and not self.bandwidth_mbit > 0:
             raise InvalidRequest(f"network bandwidth_mbit must be positive, got {self.bandwidth_mbit}")
+        object.__setattr__(self, "host_ports", SlotAccess(self.egress, tuple(self.host_ports)).host_ports)
+
+    @property
+    def access(self) -> SlotAccess:
+        return SlotAccess(self.egress, self.host_ports)
 
 
 @dataclass(frozen=True)
@@ -111,6 +128,9 @@ class IsolationConfig:
     parent cgroup holds the online CPUs minus these, and the shared pool is that minus every
     exclusive slot's CPUs. ``resctrl_prefix`` marks the resctrl groups the isolator owns (the
     network config's prefixes mark netns and veths the same way).
+    ``allow_unfiltered_network``: where the slot firewall cannot run (no libnftables, a kernel
+    without nf_tables), give slots a network anyway, without its default-deny; otherwise a slot
+    that asks for a network is refused there.
     """
 
     cgroup_parent: str = DEFAULT_PARENT
@@ -124,6 +144,7 @@ class IsolationConfig:
     sys_root: Path = Path("/sys")
     #: How long to wait for a slot's processes to die and its cgroups to drain.
     kill_timeout_s: float = 10.0
+    allow_unfiltered_network: bool = False
 
     def __post_init__(self) -> None:
         Hierarchy(self.cgroup_parent)  # validates every component
@@ -141,3 +162,13 @@ class IsolationConfig:
 
     def resctrl_group(self, slot_id: str) -> str:
         return self.resctrl_prefix + slot_id
+
+
+__all__ = [
+    "Egress",
+    "HostPort",
+    "IsolationConfig",
+    "SlotAccess",
+    "SlotIsolationSpec",
+    "SlotNetworkSpec",
+]

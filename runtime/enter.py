@@ -1,8 +1,9 @@
-"""The exec path that enters a slot: runs in a forked child of the (single-threaded) keeper.
+"""The exec path that enters a slot: runs in a forked child of the (single-threaded) host keeper.
 
 The child is forked before any request exists and does, ahead of time, everything that does not
-depend on the request (:func:`prepare_child`: signals, session, stdio, file descriptors). When the
-request arrives it enters the slot and execs (:func:`enter_slot_and_exec`).
+depend on the request (:func:`prepare_child`: signals, session, stdio, file descriptors, the open
+files limit). When the request arrives it enters the slot and execs (:func:`enter_slot_and_exec`);
+a later sandbox adds its steps to :func:`_steps`, in the order explained here.
 
 Order matters. Cgroups are joined first, so the child is accounted and confined before anything
 else happens, and long before the worker's first instruction. The network namespace, rlimits and
@@ -17,7 +18,6 @@ import contextlib
 import ctypes
 import fcntl
 import os
-import platform
 import resource
 import signal
 import time
@@ -40,7 +40,7 @@ _PIPE_DEFAULT = 65536
 #: Loaded once in the parent so the forked child does no dynamic loading.
 _libc = ctypes.CDLL(None, use_errno=True)
 
-#: Signals Python or the spawner set to something other than default; exec keeps "ignored".
+#: Signals Python or the keeper set to something other than default; exec keeps "ignored".
 #: SIGPIPE is reset last, just before exec: until then a write to a keeper that died must fail
 #: with EPIPE (and be reported), not kill the child silently.
 _RESET_SIGNALS = (
@@ -102,9 +102,10 @@ def enter_netns(path: str) -> None:
 
 
 def bind_memory(nodes: tuple[int, ...]) -> None:
-    number = _SYS_SET_MEMPOLICY.get(platform.machine())
+    machine = os.uname().machine
+    number = _SYS_SET_MEMPOLICY.get(machine)
     if number is None:
-        raise OSError(38, f"set_mempolicy is not wired for {platform.machine()}")
+        raise OSError(38, f"set_mempolicy is not wired for {machine}")
     words = max(nodes) // 64 + 1
     mask = (ctypes.c_ulong * words)()
     for node in nodes:
@@ -143,10 +144,13 @@ def close_fds_except(keep: Sequence[int]) -> None:
     os.closerange(low, 1 << 20)
 
 
-def prepare_child(stdout_fd: int, stderr_fd: int, keep: Sequence[int]) -> None:
+def prepare_child(stdout_fd: int, stderr_fd: int, keep: Sequence[int], open_files: tuple[int, int]) -> None:
     """What a worker child does before its request exists: defaults for signals, a new session,
-    stdin from /dev/null, stdout/stderr into the keeper's pipes, and no other descriptor than
-    ``keep`` (all close-on-exec). Raises OSError."""
+    stdin from /dev/null, stdout/stderr into the keeper's FIFOs, the open files limit the keeper
+    was started with (it raised its own to hold every worker's descriptors), and no other
+    descriptor than ``keep`` (all close-on-exec). Raises OSError."""
+    signal.set_wakeup_fd(-1)  # the keeper's SIGCHLD wake-up pipe is not ours
+    resource.setrlimit(resource.RLIMIT_NOFILE, open_files)
     for sig in _RESET_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -161,7 +165,7 @@ def prepare_child(stdout_fd: int, stderr_fd: int, keep: Sequence[int]) -> None:
 class Trace:
     """Debug stamps (CLOCK_MONOTONIC ns, comparable across processes) along the launch path.
 
-    Off unless the spawner was started with NODEAGENT_LAUNCH_TRACE naming a file; used by
+    Off unless the keeper was started with NODEAGENT_LAUNCH_TRACE naming a file; used by
     ``bench/launch.py --profile`` to see where the time goes.
     """
 

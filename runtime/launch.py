@@ -3,8 +3,9 @@
 The agent's side of a launch. Layout of a worker's directory (one per slot)::
 
     <worker_dir>/slot.json     the slot description (NODEAGENT_SLOT_FILE)
-    <worker_dir>/run/          the keeper's state file and its own diagnostics
-    <worker_dir>/logs/         stdout.log, stderr.log and their rotations
+    <worker_dir>/run/          the keeper's state file (worker.json) and the worker's stdout and
+                               stderr FIFOs (stdout.fifo, stderr.fifo)
+    <worker_dir>/logs/         worker.log (stdout and stderr, one time-ordered stream) and its rotations
     <worker_dir>/tmp/          the worker's private TMPDIR
 """
 
@@ -86,7 +87,7 @@ def _private_dir(path: Path, identity: Identity) -> None:
 def build_launch_request(
     spec: WorkerSpec, slot: SlotDescription, binding: SlotBinding, worker_dir: Path
 ) -> LaunchRequest:
-    """Lay out ``worker_dir``, write the slot file and return the request the spawner carries out."""
+    """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries out."""
     if not spec.command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
@@ -113,4 +114,5 @@ def build_launch_request(
         rlimits=dict(spec.rlimits),
         umask=spec.umask,
         oom_events=binding.oom_events,
+        stop_grace_seconds=spec.stop_grace_seconds,
     )

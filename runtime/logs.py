@@ -1,24 +1,70 @@
-"""Per-slot log files with size-based rotation, and reading their last lines back.
+"""A worker's output: one time-ordered log stream with rotation, and reading its last lines back.
 
-The keeper writes a worker's stdout and stderr through ``RotatingLog``; the API and CLI read them
-with ``tail``. Rotation renames ``name`` to ``name.1`` (and ``name.1`` to ``name.2`` ...), keeping
-``backups`` old files, so the newest lines are always in ``name``.
+The keeper writes stdout and stderr into one file, ``<log_dir>/worker.log``, one record per line in
+the CRI logging format that Kubernetes' container runtimes write (containerd, CRI-O), so tools
+that read container logs read ours::
+
+    2026-12-03T08:00:36.123456789Z stdout F a whole line
+    2026-12-03T08:00:36.123501000Z stderr P the start of a line that had not ended yet, ...
+    2026-12-03T08:00:36.130000000Z stderr F ... and its end
+
+``F`` ends a line; ``P`` is part of a line whose rest follows in a later record of the same stream.
+The keeper writes what it reads at once (a line cut by a pipe read becomes ``P`` + ``F``) and holds
+nothing back, so a keeper that dies loses no output it had read. Records from the two streams are
+in the order the keeper read them: exact within a stream, as close as two pipes allow between them.
+
+Rotation renames ``worker.log`` to ``worker.log.1`` (and ``.1`` to ``.2`` ...), keeping ``backups``
+old files, so the newest records are always in ``worker.log``; a record never straddles two files.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent.errors import NotFound
 
 DEFAULT_MAX_BYTES = 10 * 1024 * 1024
 DEFAULT_BACKUPS = 3
+LOG_FILE = "worker.log"
 STREAMS = ("stdout", "stderr")
+#: Longest content of one record; a longer line is cut into partial records (containerd: 16 KiB).
+MAX_RECORD_CONTENT = 16 * 1024
+_FULL = b"F"
+_PARTIAL = b"P"
 
 
-def log_path(log_dir: Path, stream: str) -> Path:
-    return log_dir / f"{stream}.log"
+def log_path(log_dir: Path) -> Path:
+    return log_dir / LOG_FILE
+
+
+def timestamp(ns: int) -> bytes:
+    """RFC 3339 UTC with nanoseconds, as CRI log records carry it."""
+    seconds, fraction = divmod(ns, 1_000_000_000)
+    return b"%s.%09dZ" % (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)).encode(), fraction)
+
+
+def records(stream: str, data: bytes, ns: int) -> bytes:
+    """``data`` as read from one stream, as CRI records stamped ``ns`` (one stamp per read: what
+    one read returned arrived together)."""
+    head = timestamp(ns) + b" " + stream.encode() + b" "
+    out: list[bytes] = []
+    lines = data.split(b"\n")
+    tail = lines.pop()  # after the last newline: a line that has not ended (b"" when data ended one)
+    for line in lines:
+        _cut(out, head, line, _FULL)
+    if tail:
+        _cut(out, head, tail, _PARTIAL)
+    return b"".join(out)
+
+
+def _cut(out: list[bytes], head: bytes, line: bytes, tag: bytes) -> None:
+    while len(line) > MAX_RECORD_CONTENT:
+        out.append(head + _PARTIAL + b" " + line[:MAX_RECORD_CONTENT] + b"\n")
+        line = line[MAX_RECORD_CONTENT:]
+    out.append(head + tag + b" " + line + b"\n")
 
 
 class RotatingLog:
@@ -55,7 +101,7 @@ class RotatingLog:
     def _split_point(self, data: bytes, room: int) -> int:
         if len(data) <= room:
             return len(data)
-        # Prefer to end a file on a line boundary so no line straddles two files.
+        # End a file on a line boundary so no line (no record) straddles two files.
         newline = data.rfind(b"\n", 0, room)
         if newline >= 0:
             return newline + 1
@@ -80,6 +126,45 @@ class RotatingLog:
             self._fd = -1
 
 
+class LogStream:
+    """A worker's stdout and stderr, written as records into one rotating file."""
+
+    def __init__(
+        self, log_dir: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+    ) -> None:
+        self._log = RotatingLog(log_path(log_dir), max_bytes, backups)
+
+    def write(self, stream: str, data: bytes, ns: int | None = None) -> None:
+        self._log.write(records(stream, data, time.time_ns() if ns is None else ns))
+
+    def close(self) -> None:
+        self._log.close()
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogLine:
+    stream: str
+    text: str
+    #: The record's timestamp as written (RFC 3339); "" for a line that was not a record.
+    time: str = ""
+
+    def render(self) -> str:
+        """As the API shows it: stdout as is, stderr marked."""
+        return self.text if self.stream == "stdout" else f"[{self.stream}] {self.text}"
+
+
+def _parse(record: bytes) -> tuple[str, str, bytes, bytes]:
+    """(time, stream, tag, content); a line that is not a record counts as a whole stdout line."""
+    parts = record.split(b" ", 3)
+    if len(parts) >= 3 and parts[1] in (b"stdout", b"stderr") and parts[2] in (_FULL, _PARTIAL):
+        content = parts[3] if len(parts) > 3 else b""
+        return parts[0].decode("ascii", "replace"), parts[1].decode(), parts[2], content
+    return "", "stdout", _FULL, record
+
+
 def _read_tail(path: Path, lines: int, block: int = 64 * 1024) -> list[bytes]:
     """The last ``lines`` lines of one file, read backwards in blocks (log files can be large)."""
     with path.open("rb") as handle:
@@ -99,19 +184,31 @@ def _read_tail(path: Path, lines: int, block: int = 64 * 1024) -> list[bytes]:
     return parts[-lines:] if lines else []
 
 
-def tail(
-    log_dir: Path, stream: str = "stdout", lines: int = 100, backups: int = DEFAULT_BACKUPS
-) -> list[str]:
-    """The last ``lines`` lines a worker wrote to ``stream``, reaching into rotated files if needed."""
-    if stream not in STREAMS:
-        raise NotFound(f"no log stream {stream!r}; use one of {', '.join(STREAMS)}")
-    current = log_path(log_dir, stream)
+def read_log(log_dir: Path, lines: int = 100, backups: int = DEFAULT_BACKUPS) -> list[LogLine]:
+    """The last ``lines`` lines the worker wrote, both streams in time order, reaching into rotated
+    files if needed; partial records are joined into their line."""
+    current = log_path(log_dir)
     if not current.exists():
-        raise NotFound(f"no {stream} log at {current}: the worker has not been started in this slot")
-    collected: list[bytes] = []
+        raise NotFound(f"no worker log at {current}: the worker has not been started in this slot")
+    if lines <= 0:
+        return []
+    # A line may take several records (partials); read a margin and cut after assembling.
+    wanted = lines * 2 + 16
+    raw: list[bytes] = []
     files = [current] + [current.with_name(f"{current.name}.{i}") for i in range(1, backups + 1)]
     for path in files:
-        if len(collected) >= lines or not path.exists():
+        if len(raw) >= wanted or not path.exists():
             break
-        collected = _read_tail(path, lines - len(collected)) + collected
-    return [line.decode("utf-8", "replace") for line in collected[-lines:]] if lines else []
+        raw = _read_tail(path, wanted - len(raw)) + raw
+    out: list[LogLine] = []
+    pending: dict[str, tuple[str, bytes]] = {}
+    for record in raw:
+        when, stream, tag, content = _parse(record)
+        started, held = pending.pop(stream, (when, b""))
+        if tag == _PARTIAL:
+            pending[stream] = (started, held + content)
+        else:
+            out.append(LogLine(stream, (held + content).decode("utf-8", "replace"), started))
+    for stream, (started, held) in pending.items():  # lines still being written
+        out.append(LogLine(stream, held.decode("utf-8", "replace"), started))
+    return out[-lines:]

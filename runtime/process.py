@@ -1,13 +1,15 @@
-"""A worker process as the agent knows it: identity, the keeper's state file, exit records, pidfds.
+"""A worker process as the agent knows it: identity, the keeper's state file, exit records, handles.
 
 A pid alone does not name a process: pids are reused. A process is ``(pid, start_time)``, where
 start_time is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot; fixed for the process's
 life). A pidfd opened and *then* checked against that start time refers to our process and no
 other, for as long as we hold it, even if the pid is later reused.
 
-The keeper writes ``worker.json`` in the worker's run directory (atomically: write, then rename):
-once when the worker has exec'd, and again when it has exited. That file is how the exit of a
-worker that died while the agent was down is still known.
+The keeper writes ``worker.json`` in the worker's run directory, atomically and durably (write,
+fsync, rename, fsync the directory): once when it takes custody of the worker after exec, and
+again, final, once the worker has exited and nothing of its tree is left. That file is how the exit
+of a worker that died while the agent was down is still known, and how a new keeper finds what it
+must carry on for a worker it did not start (:class:`Custody`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import select
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
 
@@ -43,7 +45,9 @@ class ExitRecord:
     signal: int | None
     oom_killed: bool
     finished_at: float
-    #: "exited", "signaled", "oom-killed", or "lost" (it ended and nobody saw how).
+    #: "exited", "signaled", "oom-killed"; "unknown": it ended while a keeper watched it that was
+    #: not its parent (it had outlived the keeper that started it), so when is known but not how;
+    #: "lost": it ended while no keeper watched it, and nobody saw how or exactly when.
     reason: str
 
     @property
@@ -52,7 +56,10 @@ class ExitRecord:
 
     def describe(self) -> str:
         if self.reason == "lost":
-            return "ended while unobserved; its exit status is unknown"
+            return "ended while no keeper watched it; its exit status is unknown"
+        if self.reason == "unknown":
+            oom = " (the slot's OOM killer struck meanwhile)" if self.oom_killed else ""
+            return f"ended after the keeper that started it was gone; its exit status is unknown{oom}"
         if self.oom_killed:
             return "killed by the kernel's OOM killer (the slot ran out of memory)"
         if self.signal is not None:
@@ -66,6 +73,10 @@ class ExitRecord:
             oom = sig == signal.SIGKILL and oom_kills > 0
             return cls(None, sig, oom, finished_at, "oom-killed" if oom else "signaled")
         return cls(os.WEXITSTATUS(status), None, False, finished_at, "exited")
+
+    @classmethod
+    def unknown(cls, *, oom_kills: int, finished_at: float) -> ExitRecord:
+        return cls(None, None, oom_kills > 0, finished_at, "unknown")
 
     @classmethod
     def lost(cls, finished_at: float) -> ExitRecord:
@@ -87,18 +98,49 @@ class ExitRecord:
 
 
 @dataclass(frozen=True)
+class Custody:
+    """What a keeper does for a worker besides waiting for it, kept in the state file so that a new
+    keeper can carry on for a worker it did not start. Never the worker's argv or environment
+    (they may hold secrets); only where things are."""
+
+    #: The FIFOs that are the worker's stdout and stderr (the worker holds them open read-write, so
+    #: it never gets EPIPE when no keeper reads; a keeper reopens them by path).
+    stdout_fifo: str
+    stderr_fifo: str
+    log_dir: str
+    log_max_bytes: int
+    log_backups: int
+    #: cgroup.procs files of the slot: what is left there is ended once the worker's main exits.
+    cgroup_procs: tuple[str, ...] = ()
+    stop_grace_seconds: float = 30.0
+    oom_events: str | None = None
+    #: The slot's OOM kill count just before exec (counted from inside the slot).
+    oom_before: int = 0
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Custody:
+        fixed = dict(body)
+        fixed["cgroup_procs"] = tuple(fixed.get("cgroup_procs", ()))
+        return cls(**fixed)
+
+
+@dataclass(frozen=True)
 class WorkerState:
     """The contents of the keeper's state file."""
 
     launch_id: str
     worker: ProcessIdentity
+    #: The keeper that took custody after exec (the worker's parent).
     keeper: ProcessIdentity
     started_at: float
     exit: ExitRecord | None = None
+    custody: Custody | None = field(default=None)
 
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["schema"] = STATE_SCHEMA
+        if self.exit is not None:
+            body["exit"] = self.exit.to_json()
         return body
 
     @classmethod
@@ -106,20 +148,41 @@ class WorkerState:
         if body.get("schema") != STATE_SCHEMA:
             raise ValueError(f"schema is {body.get('schema')!r}, expected {STATE_SCHEMA!r}")
         exit_body = body.get("exit")
+        custody = body.get("custody")
         return cls(
             launch_id=str(body["launch_id"]),
             worker=ProcessIdentity(**body["worker"]),
             keeper=ProcessIdentity(**body["keeper"]),
             started_at=float(body["started_at"]),
-            exit=ExitRecord(**exit_body) if exit_body else None,
+            exit=ExitRecord.from_json(exit_body) if exit_body else None,
+            custody=Custody.from_json(custody) if custody else None,
         )
 
 
-def write_state(run_dir: Path, state: WorkerState) -> None:
+def write_state(run_dir: Path, state: WorkerState, *, durable: bool = True) -> None:
+    """Replace the state file atomically: a crash of the keeper leaves the old record or the new
+    one, never half of one. ``durable`` (fsync of the file and of the rename) makes that hold for a
+    crash of the whole host too, so a written exit is never lost. The record a keeper writes when
+    it takes custody of a worker need not be: after a host crash that worker is gone anyway, and
+    the previous record (or none) leads to the same verdict, so two fsyncs stay off the launch's
+    heels."""
     path = run_dir / STATE_FILE
     tmp = run_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(state.to_json(), sort_keys=True))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, json.dumps(state.to_json(), sort_keys=True).encode())
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+    if not durable:
+        return
+    directory = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
 
 
 def read_state(run_dir: Path) -> WorkerState | None:
@@ -127,7 +190,7 @@ def read_state(run_dir: Path) -> WorkerState | None:
     path = run_dir / STATE_FILE
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as err:
         raise WorkerError(f"cannot read worker state {path}: {err.strerror}") from err
@@ -181,29 +244,47 @@ def open_verified_pidfd(identity: ProcessIdentity, proc: Path = Path("/proc")) -
     return pidfd
 
 
-def pidfd_exited(pidfd: int) -> bool:
-    """A pidfd polls readable once its process has exited (zombie or reaped); -1 stands for gone."""
-    if pidfd < 0:
+def fd_fired(fd: int) -> bool:
+    """Whether ``fd`` polls readable: a pidfd once its process has exited (zombie or reaped), a
+    keeper's notice pipe once the keeper closed its end; -1 stands for one that has fired."""
+    if fd < 0:
         return True
-    # poll(2), not select(2): a daemon holding two pidfds per worker passes fd 1024 (FD_SETSIZE)
-    # at about 500 workers, and select() refuses any descriptor from there on.
+    # poll(2), not select(2): a daemon holding two descriptors per worker passes fd 1024
+    # (FD_SETSIZE) at about 500 workers, and select() refuses any descriptor from there on.
     poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
+    poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
 
 
+class Watcher(Protocol):
+    """The agent's link to the keeper, as a worker handle needs it (see keeper_client.py)."""
+
+    def watch(self, run_dir: Path, launch_id: str) -> int | None:
+        """A notice descriptor for the worker of ``run_dir`` from a live keeper (starting one if
+        none runs), or None when no keeper holds it any more: its record is final, or there is
+        none. Raises WorkerError when no keeper can be reached."""
+        ...
+
+
 class WorkerProcess:
-    """A worker the agent holds by pidfd, plus the run directory its keeper writes to.
+    """A worker the agent holds: its pidfd, the keeper's notice pipe, and its run directory.
+
+    The keeper holds the write end of the notice pipe and closes it once the worker's exit record
+    is final (its tree ended, the record on disk), so ``exit_fd`` turns readable exactly when
+    :meth:`poll` has something to return, and a loop waiting on it wakes once per exit. The pipe
+    also fires when the keeper dies; then :meth:`poll` asks ``keeper`` for a fresh notice from the
+    keeper that replaces it, which re-adopts the worker.
 
     ``pidfd`` is -1 when the process was already gone (or its pid named a stranger) when we looked:
-    then ``poll`` reports the exit the keeper recorded, and ``send_signal`` does nothing.
+    then ``send_signal`` does nothing.
     """
 
-    def __init__(self, state: WorkerState, run_dir: Path, pidfd: int, keeper_pidfd: int | None) -> None:
+    def __init__(self, state: WorkerState, run_dir: Path, pidfd: int, notice: int, keeper: Watcher) -> None:
         self.state = state
         self.run_dir = run_dir
         self._pidfd = pidfd
-        self._keeper_pidfd = keeper_pidfd
+        self._notice = notice
+        self._keeper = keeper
         self._exit: ExitRecord | None = None
 
     @property
@@ -216,8 +297,8 @@ class WorkerProcess:
 
     @property
     def exit_fd(self) -> int | None:
-        """The worker's pidfd, for a loop that waits on many workers at once; None when gone."""
-        return self._pidfd if self._pidfd >= 0 else None
+        """Readable once :meth:`poll` has news (the exit is final, or the keeper went away)."""
+        return None if self._notice < 0 or self._exit is not None else self._notice
 
     def send_signal(self, sig: int) -> None:
         """Signal the worker through its pidfd: never a stranger that inherited the pid."""
@@ -227,30 +308,42 @@ class WorkerProcess:
             signal.pidfd_send_signal(self._pidfd, sig)
 
     def poll(self, now: float | None = None) -> ExitRecord | None:
-        """The exit record once the worker has exited and its keeper has written it down, else None.
-
-        If the keeper died too without writing one, the exit is recorded as ``lost``.
-        """
+        """The exit record once the keeper has made it final, else None. Never raises: when no
+        keeper can be reached it answers None and is asked again."""
         if self._exit is not None:
             return self._exit
-        if not pidfd_exited(self._pidfd):
+        if not fd_fired(self._notice):
             return None
-        # Look at the keeper before the file: a keeper that wrote the record and then exited
-        # between the two looks must not make us call the exit lost.
-        keeper_gone = self._keeper_pidfd is None or pidfd_exited(self._keeper_pidfd)
-        state = read_state(self.run_dir)
-        if state is not None and state.launch_id == self.state.launch_id and state.exit is not None:
-            self._exit = state.exit
-        elif keeper_gone:
-            self._exit = ExitRecord.lost(time.time() if now is None else now)
-        return self._exit
+        record = self._final_record()
+        if record is None:
+            # The notice fired without a final record: the keeper that held it is gone. Ask for
+            # the one that replaces it (it re-adopts the worker, or records how it ended).
+            try:
+                notice = self._keeper.watch(self.run_dir, self.state.launch_id)
+            except WorkerError:
+                return None  # no keeper now; the supervision loop asks again at its next tick
+            if notice is not None:
+                os.close(self._notice)
+                self._notice = notice
+                return None
+            record = self._final_record() or ExitRecord.lost(time.time() if now is None else now)
+        self._exit = record
+        return record
+
+    def _final_record(self) -> ExitRecord | None:
+        try:
+            state = read_state(self.run_dir)
+        except WorkerError:
+            return None
+        if state is not None and state.launch_id == self.state.launch_id:
+            return state.exit
+        return None
 
     def close(self) -> None:
-        for fd in (self._pidfd, self._keeper_pidfd):
-            if fd is not None and fd >= 0:
+        for fd in (self._pidfd, self._notice):
+            if fd >= 0:
                 os.close(fd)
-        self._pidfd = -1
-        self._keeper_pidfd = None
+        self._pidfd = self._notice = -1
 
     def __del__(self) -> None:
         self.close()

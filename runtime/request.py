@@ -1,7 +1,7 @@
-"""What the agent asks the spawner to launch, and what it gets back; plain data, JSON on the wire.
+"""What the agent asks the keeper's worker child to launch; plain data, JSON on the wire.
 
 Everything here is already resolved: numeric uid/gid, absolute cgroup.procs paths, the full
-environment. The spawner and keeper never look anything up; they only carry it out.
+environment. The child and the keeper never look anything up; they only carry it out.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ class LaunchRequest:
     launch_id: str
     argv: tuple[str, ...]
     env: dict[str, str]
-    #: Directory for the keeper's state file; one per worker.
+    #: Directory for the keeper's state file and the worker's output FIFOs; one per worker.
     run_dir: str
-    #: Directory for stdout.log / stderr.log.
+    #: Directory for worker.log (stdout and stderr, one stream) and its rotations.
     log_dir: str
     cwd: str | None = None
     #: cgroup.procs files to join: one per v1 hierarchy, or the single v2 one.
@@ -41,6 +41,9 @@ class LaunchRequest:
     oom_events: str | None = None
     log_max_bytes: int = DEFAULT_MAX_BYTES
     log_backups: int = DEFAULT_BACKUPS
+    #: Once the worker's main process exits, what is left in its cgroups gets SIGTERM, and SIGKILL
+    #: this long after (the keeper does it, also while the agent is down).
+    stop_grace_seconds: float = 30.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -53,12 +56,3 @@ class LaunchRequest:
                 fixed[key] = tuple(fixed[key])
         fixed["rlimits"] = {k: (int(v[0]), int(v[1])) for k, v in fixed.get("rlimits", {}).items()}
         return cls(**fixed)
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    launch_id: str
-    pid: int
-    start_time: int
-    keeper_pid: int
-    keeper_start_time: int

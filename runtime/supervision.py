@@ -1,7 +1,8 @@
 """The supervision loop: one thread that drives every slot's :class:`Supervisor`.
 
-One epoll set holds every live worker's pidfd, so an idle loop makes no per-slot system call: it
-wakes for an exit, for the earliest timed work (a probe, a stop deadline, a restart), or after
+One epoll set holds every live worker's exit descriptor (the keeper's notice pipe, readable once the
+worker's exit record is final, or the keeper died), so an idle loop makes no per-slot system call:
+it wakes for an exit, for the earliest timed work (a probe, a stop deadline, a restart), or after
 ``tick_seconds`` at the latest, and then ticks only the supervisors concerned. Due times sit in a
 heap; an entry superseded by a later schedule is skipped when it comes up (``_due`` holds the
 current one per slot).
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from nodeagent.errors import NodeAgentError
-from nodeagent.runtime.process import pidfd_exited
+from nodeagent.runtime.process import fd_fired
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Supervisor, WorkerStatus
 
 log = logging.getLogger("nodeagent.supervision")
@@ -56,7 +57,7 @@ class SupervisionLoop:
     # ------------------------------------------------------------------ life cycle
 
     def open(self) -> None:
-        """Create the epoll set (before supervisors are added, so their pidfds get armed)."""
+        """Create the epoll set (before supervisors are added, so their exit descriptors get armed)."""
         if self._watch is None:
             self._watch = select.epoll()
             self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -113,7 +114,7 @@ class SupervisionLoop:
             self._on_change()
 
     def schedule(self, slot_id: str) -> None:
-        """Put a supervisor on the agenda after anything touched it: arm its pidfd, note its next due time."""
+        """Put a supervisor on the agenda after anything touched it: arm its exit fd, note when it is due."""
         supervisor = self._supervisors.get(slot_id)
         if supervisor is None:
             return
@@ -156,7 +157,7 @@ class SupervisionLoop:
                 self._stop.wait(self._tick_seconds)
 
     def _tick_due(self, fired: Iterable[int]) -> None:
-        """Tick the supervisors whose worker exited (``fired`` pidfds) or whose timed work is due."""
+        """Tick the supervisors whose worker exited (``fired`` exit fds) or whose timed work is due."""
         changed = False
         with self._lock:
             due: set[str] = set()
@@ -186,18 +187,18 @@ class SupervisionLoop:
                 return self._tick_seconds
             return min(self._tick_seconds, max(0.0, self._agenda[0][0] - time.monotonic()))
 
-    def _watch_exit(self, pidfd: int, slot_id: str) -> bool:
-        """Arm a one-shot wake-up for this pidfd; False when it cannot serve (no loop, already exited)."""
+    def _watch_exit(self, fd: int, slot_id: str) -> bool:
+        """Arm a one-shot wake-up for this exit fd; False when it cannot serve (no loop, already fired)."""
         watch = self._watch
-        if watch is None or pidfd_exited(pidfd):
-            # An exited pidfd stays readable: armed, it would wake the loop again and again.
+        if watch is None or fd_fired(fd):
+            # A fired exit fd stays readable: armed, it would wake the loop again and again.
             return False
-        self._fd_slots[pidfd] = slot_id
+        self._fd_slots[fd] = slot_id
         flags = select.EPOLLIN | select.EPOLLONESHOT
         try:
-            watch.register(pidfd, flags)
+            watch.register(fd, flags)
         except FileExistsError:
-            watch.modify(pidfd, flags)  # one-shot: fired once, re-armed here
+            watch.modify(fd, flags)  # one-shot: fired once, re-armed here
         except OSError:
             return False
         return True

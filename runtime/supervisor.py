@@ -11,7 +11,8 @@ agent's loop (or a test with a fake clock) decides when time passes::
 
 A worker is ``running`` only while its readiness probe passes. Stopping sends SIGTERM, waits the
 grace period, then kills everything in the slot's cgroup; after any exit, whatever the worker left
-behind in the slot (forked helpers) is killed too, so a restart starts from an empty slot.
+behind in the slot (forked helpers) is killed too (the keeper has done so already, after the
+worker's grace period, unless the slot has no cgroup), and a launch starts from an empty slot.
 """
 
 from __future__ import annotations
@@ -26,19 +27,11 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
-from nodeagent.runtime.process import (
-    ExitRecord,
-    ProcessIdentity,
-    WorkerProcess,
-    WorkerState,
-    open_verified_pidfd,
-)
+from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spawner import Spawner
 from nodeagent.schema.worker import Probe, ProbeKind, RestartPolicy, WorkerSpec
 
 #: How long kill_all may take after the grace period (or after an exit, for leftovers).
@@ -319,7 +312,8 @@ class Supervisor:
         return max(0.0, min(dues) - now) if dues else None
 
     def exit_fd(self) -> int | None:
-        """A file descriptor that polls readable once the live worker has exited (its pidfd).
+        """A file descriptor that polls readable once the live worker's exit can be read (the
+        keeper's notice pipe: its exit record is final, or the keeper went away).
 
         None when no worker is alive, or when its handle offers no such descriptor: then only
         polling through ``tick()`` finds the exit.
@@ -353,6 +347,11 @@ class Supervisor:
         req = dataclasses.replace(
             self._template, launch_id=f"{self._template.launch_id}-{next(self._launch_numbers)}"
         )
+        # A worker starts in an empty slot. Whatever runs there now belongs to no worker the agent
+        # knows: one that exec'd just as its keeper died (before the keeper took custody, so no
+        # state file names it), or leftovers nobody saw end.
+        if self._cgroup.pids():
+            self._cgroup.kill_all(KILL_TIMEOUT_SECONDS)
         self._oom_at_launch = self._cgroup.oom_kill_count()
         self._killed_for = ""
         self._stop_deadline = None
@@ -459,22 +458,3 @@ class Supervisor:
         looping = self.consecutive_failures >= self._backoff.crashloop_after
         phase = Phase.CRASHLOOP if looping else Phase.BACKOFF
         self._set(phase, f"{cause}; restart {self.restarts} in {delay:g}s")
-
-
-class SpawnerLauncher:
-    """The real Launcher: launches through the spawner and holds each worker by a verified pidfd."""
-
-    def __init__(self, spawner: Spawner) -> None:
-        self._spawner = spawner
-
-    def launch(self, req: LaunchRequest) -> WorkerProcess:
-        result = self._spawner.launch(req)
-        state = WorkerState(
-            launch_id=result.launch_id,
-            worker=ProcessIdentity(result.pid, result.start_time),
-            keeper=ProcessIdentity(result.keeper_pid, result.keeper_start_time),
-            started_at=time.time(),
-        )
-        pidfd = open_verified_pidfd(state.worker)
-        keeper_pidfd = open_verified_pidfd(state.keeper)
-        return WorkerProcess(state, Path(req.run_dir), -1 if pidfd is None else pidfd, keeper_pidfd)

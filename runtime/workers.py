@@ -1,13 +1,17 @@
 """The runtime side as the agent's slot manager sees it: supervisors for slots, found again after a restart.
 
-:class:`WorkerRuntime` is the seam (the manager's tests plug a fake in); :class:`SpawnerRuntime`
-is the real one: workers launched through the spawner, one directory per slot under
-``workers_dir``::
+:class:`WorkerRuntime` is the seam (the manager's tests plug a fake in); :class:`KeeperRuntime`
+is the real one: workers launched through the host keeper (keeper.py, reached through
+keeper_client.py), one directory per slot under ``workers_dir``::
 
     <workers_dir>/<slot id>/slot.json   the slot description (NODEAGENT_SLOT_FILE)
-    <workers_dir>/<slot id>/run/        the keeper's state file: how :meth:`readopt` finds the worker
-    <workers_dir>/<slot id>/logs/       stdout and stderr
+    <workers_dir>/<slot id>/run/        the keeper's state file (how :meth:`readopt` finds the
+                                        worker) and the worker's stdout/stderr FIFOs
+    <workers_dir>/<slot id>/logs/       worker.log: stdout and stderr in one time-ordered stream
     <workers_dir>/<slot id>/tmp/        the worker's TMPDIR
+
+The keeper's own directory (socket, lock, log, custody links) is ``keeper_dir``, by default
+``<workers_dir>/../keeper``.
 
 Where a worker goes in the kernel comes from isolation's result for the slot (:class:`AppliedSlot`):
 its cgroup.procs files, network namespace and OOM counter; None means the slot is not isolated.
@@ -15,21 +19,19 @@ its cgroup.procs files, network namespace and OOM counter; None means the slot i
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import shutil
 from pathlib import Path
 from typing import Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
-from nodeagent.errors import NotFound
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.env import SlotDescription
+from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
-from nodeagent.runtime.logs import tail
-from nodeagent.runtime.spawner import Spawner
-from nodeagent.runtime.supervisor import SlotCgroup, SpawnerLauncher, Supervisor
+from nodeagent.runtime.logs import read_log
+from nodeagent.runtime.supervisor import SlotCgroup, Supervisor
 from nodeagent.schema.worker import WorkerSpec
 
 
@@ -50,7 +52,10 @@ class WorkerRuntime(Protocol):
         """Resume the worker last launched for ``slot_id`` into ``supervisor``."""
         ...
 
-    def logs(self, slot_id: str, lines: int) -> list[str]: ...
+    def logs(self, slot_id: str, lines: int) -> list[str]:
+        """The last ``lines`` lines of the slot's worker output, stdout and stderr in time order,
+        stderr lines marked ``[stderr] ``."""
+        ...
 
     def discard(self, slot_id: str) -> None:
         """The slot is gone: remove its worker directory."""
@@ -100,14 +105,17 @@ class NoCgroup:
         return []
 
 
-class SpawnerRuntime:
+class KeeperRuntime:
     """The real :class:`WorkerRuntime` (see the module docstring for the directory layout)."""
 
-    def __init__(self, workers_dir: Path, host: CgroupHost | None, spawner: Spawner | None = None) -> None:
+    def __init__(
+        self, workers_dir: Path, host: CgroupHost | None, keeper: KeeperClient | None = None
+    ) -> None:
+        """``keeper``: the connection to the host keeper; by default one for ``<workers_dir>/../keeper``,
+        which connects (starting the keeper if none runs) at the first launch or re-adoption."""
         self._dir = workers_dir
         self._host = host
-        self._spawner = spawner or Spawner()
-        self._launcher = SpawnerLauncher(self._spawner)
+        self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
 
     def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
         template = build_launch_request(spec, slot, slot_binding(applied), self._dir / slot.slot_id)
@@ -115,7 +123,7 @@ class SpawnerRuntime:
         # reaches over the slot's veth; 127.0.0.1 here would be the host's loopback, not the slot's.
         network = applied.network if applied is not None else None
         probe_host = str(network.slot_address) if network is not None else "127.0.0.1"
-        return Supervisor(spec, template, self._launcher, self._cgroup(applied), probe_host=probe_host)
+        return Supervisor(spec, template, self._keeper, self._cgroup(applied), probe_host=probe_host)
 
     def _cgroup(self, applied: AppliedSlot | None) -> SlotCgroup:
         if applied is None or self._host is None:
@@ -123,31 +131,27 @@ class SpawnerRuntime:
         return ManagedCgroup(open_manager(self._host, applied.cgroup))
 
     def readopt(self, slot_id: str, supervisor: Supervisor) -> Readoption:
-        found = resume_supervision(supervisor, self._dir / slot_id / "run")
+        found = resume_supervision(supervisor, self._dir / slot_id / "run", self._keeper)
         if found.process is not None:
             return Readoption.ADOPTED
         return Readoption.EXITED if found.exit is not None else Readoption.NONE
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
-        log_dir = self._dir / slot_id / "logs"
-        out = tail(log_dir, "stdout", lines)
-        with contextlib.suppress(NotFound):
-            out += [f"[stderr] {line}" for line in tail(log_dir, "stderr", lines)]
-        return out[-lines:] if lines else []
+        return [line.render() for line in read_log(self._dir / slot_id / "logs", lines)]
 
     def discard(self, slot_id: str) -> None:
         shutil.rmtree(self._dir / slot_id, ignore_errors=True)
 
     def close(self) -> None:
-        # Closing our end ends the spawner; keepers and workers it started live on.
-        self._spawner.close()
+        # The keeper and its workers live on; the next agent re-attaches to them.
+        self._keeper.close()
 
 
 __all__ = [
+    "KeeperRuntime",
     "ManagedCgroup",
     "NoCgroup",
     "Readoption",
-    "SpawnerRuntime",
     "WorkerRuntime",
     "slot_binding",
 ]

@@ -55,6 +55,7 @@ MAX_CPUS = 16384
 MAX_DEVICES = 1024
 MAX_MEMORY_BYTES = MAX_BYTES
 MAX_BANDWIDTH_MBIT = 10_000_000
+MAX_HOST_PORTS = 64
 
 
 # --------------------------------------------------------------------------- field types
@@ -137,12 +138,39 @@ DevicePath = Annotated[str, AfterValidator(_device_path), WithJsonSchema(_DEVICE
 # --------------------------------------------------------------------------- models
 
 
+class HostPort(StrictModel):
+    """A port on the host that the slot may connect to."""
+
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(description="The port number on the host.")
+    protocol: Literal["tcp", "udp"] = "tcp"
+
+
 class NetworkRequest(StrictModel):
-    """A network namespace of the slot's own."""
+    """A network namespace of the slot's own. It reaches nothing but replies to connections opened
+    into it (the agent's probes), unless ``egress`` or ``host_ports`` say otherwise."""
 
     bandwidth_mbit: Annotated[int, Field(ge=1, le=MAX_BANDWIDTH_MBIT)] | None = Field(
         default=None, description="Egress shaping of the slot's network namespace, in Mbit/s."
     )
+    egress: Literal["none", "nat"] = Field(
+        default="none",
+        description="none: nothing beyond the host; nat: connections to anywhere beyond the host "
+        "(never other slots, the host itself or link-local 169.254.0.0/16), masqueraded behind the "
+        "host's address. IPv4 only.",
+    )
+    host_ports: Annotated[tuple[HostPort, ...], AsTuple, Field(max_length=MAX_HOST_PORTS)] = Field(
+        default=(),
+        description="Ports on the host the slot may connect to (a model store, a metrics gateway), "
+        "at its gateway address or any other host address; IPv4 only.",
+    )
+
+    @model_validator(mode="after")
+    def _ports_once(self) -> NetworkRequest:
+        seen = [f"{p.protocol} port {p.port}" for p in self.host_ports]
+        twice = sorted({s for s in seen if seen.count(s) > 1})
+        if twice:
+            raise ValueError(f"host_ports lists {', '.join(twice)} more than once; list each port once")
+        return self
 
 
 class Resources(StrictModel):
@@ -310,11 +338,13 @@ __all__ = [
     "MAX_BANDWIDTH_MBIT",
     "MAX_CPUS",
     "MAX_DEVICES",
+    "MAX_HOST_PORTS",
     "MAX_MEMORY_BYTES",
     "MILLI",
     "NAME_PATTERN",
     "NUMA_POLICIES",
     "QOS_CLASSES",
+    "HostPort",
     "NetworkRequest",
     "NumaPolicy",
     "QoS",

@@ -14,6 +14,9 @@ from typing import Any
 
 import httpx
 
+from nodeagent.runtime import keeper_protocol
+from nodeagent.runtime.keeper_client import stop_keeper
+
 #: Host partitioning off: a test's agent on a developer's or CI machine must not confine the whole
 #: host (every process, interrupts) unless the test is about exactly that and scopes it.
 HOST_OFF = {"host_partitioning": "off"}
@@ -55,6 +58,22 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> An
         time.sleep(0.05)
 
 
+def keeper_status(keeper_dir: Path) -> dict[str, Any] | None:
+    """The keeper's own account of its custody, asked over a bare connection (a KeeperClient would
+    start a keeper when none runs, and arm children); None when no keeper answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:
+        raw.settimeout(10)
+        try:
+            raw.connect(str(keeper_dir / keeper_protocol.SOCKET_NAME))
+            keeper_protocol.send(raw, {"op": "hello", "protocol": keeper_protocol.PROTOCOL})
+            keeper_protocol.receive(raw)
+            keeper_protocol.send(raw, {"op": "status"})
+            reply, _ = keeper_protocol.receive(raw)
+        except OSError:
+            return None
+    return reply
+
+
 class DaemonProcess:
     """One ``nodeagent serve``; ``start`` may be called again after ``kill``/``stop`` (same state)."""
 
@@ -70,6 +89,11 @@ class DaemonProcess:
     @property
     def token_file(self) -> Path:
         return self.state / "token"
+
+    @property
+    def keeper_dir(self) -> Path:
+        """Where the daemon's host keeper lives (it outlives the daemon: stop it with stop_keeper)."""
+        return self.state / "keeper"
 
     @property
     def pid(self) -> int:
@@ -119,8 +143,12 @@ class DaemonProcess:
         assert done.returncode == 0, f"{' '.join(args)} failed: {done.stderr}"
         return done.stdout
 
+    def stop_keeper(self) -> None:
+        """Stop the host keeper the daemon started (workers it leaves are the caller's to end)."""
+        stop_keeper(self.keeper_dir)
+
     def kill(self) -> None:
-        """SIGKILL, as a crash would: nothing of the daemon's runs afterwards."""
+        """SIGKILL, as a crash would: nothing of the daemon's runs afterwards (the keeper does)."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)

@@ -92,6 +92,7 @@ def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRo
     defaults: dict[str, object] = {
         "euid": 0,
         "bpf_probe": lambda: None,
+        "firewall_probe": lambda: None,
         "which": lambda name: f"/usr/sbin/{name}",
         "gpus": lambda sys_root: (),
         "fpgas": lambda sys_root, dev_root: (),
@@ -117,6 +118,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "cpuset",
             "device access control",
             "network namespaces",
+            "network firewall",
             "GPUs",
             "MIG",
             "FPGAs",
@@ -247,6 +249,26 @@ def test_unprivileged_bpf_disabled_is_reported_without_probing(tmp_path: Path) -
     roots = fake_host(tmp_path, HEALTHY_V2, euid=1000, bpf_probe=probe)
     found = by_name(run_checks(roots))["device access control"]
     assert (found.status, "unprivileged_bpf_disabled" in found.detail) == ("WARN", True)
+
+
+def test_missing_firewall_is_a_warning_that_says_what_to_do(tmp_path: Path) -> None:
+    reason = "libnftables.so.1 cannot be loaded (No such file)"
+    roots = fake_host(tmp_path, HEALTHY_V2, firewall_probe=lambda: reason)
+    checks = run_checks(roots)
+    found = by_name(checks)["network firewall"]
+    assert (found.status, found.detail) == ("WARN", reason)
+    assert "apt-get install nftables" in found.hint
+    assert "allow_unfiltered_network" in found.hint
+    assert (overall(checks), exit_code(checks)) == ("WARN", 0)
+
+
+def test_firewall_is_not_probed_without_root(tmp_path: Path) -> None:
+    def probe() -> str | None:
+        raise AssertionError("loading nftables rules needs CAP_NET_ADMIN: no probe as non-root")
+
+    checks = run_checks(fake_host(tmp_path, HEALTHY_V2, euid=1000, firewall_probe=probe))
+    found = by_name(checks)["network firewall"]
+    assert (found.status, "not root" in found.detail) == ("WARN", True)
 
 
 def _gpu(index: int, mig: MigState | None = None, healthy: bool | None = True) -> Gpu:

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARENT = f"natest{os.getpid()}e.slice"
 NETNS_PREFIX = f"ne{os.getpid()}-"
 VETH_PREFIX = "nte"
+FIREWALL_TABLE = f"natest{os.getpid()}e"
 NETNS_DIR = Path("/run/netns")
 CLASS_PARENTS = ("burstable", "best-effort")
 ALIVE = ("starting", "running", "unready", "stopping")
@@ -54,7 +55,8 @@ class Daemon(DaemonProcess):
         super().__init__(
             tmp,
             f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-            f'veth_prefix = "{VETH_PREFIX}"\n\n[workers]\ntick_seconds = 0.1\n',
+            f'veth_prefix = "{VETH_PREFIX}"\nfirewall_table = "{FIREWALL_TABLE}"\n\n'
+            "[workers]\ntick_seconds = 0.1\n",
         )
         #: Every worker pid the test saw: the finalizer kills these (and only these) if still alive.
         self.worker_pids: set[int] = set()
@@ -102,12 +104,17 @@ def our_veths() -> list[str]:
     return sorted(n.name for n in Path("/sys/class/net").iterdir() if n.name.startswith(VETH_PREFIX))
 
 
+def our_firewall_table() -> bool:
+    found = subprocess.run(["nft", "list", "table", "inet", FIREWALL_TABLE], capture_output=True, check=False)
+    return found.returncode == 0
+
+
 def process_gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return True
-    return state[state.rindex(")") + 2] == "Z"  # a zombie has ended; its keeper reaps it
+    return state[state.rindex(")") + 2] == "Z"  # a zombie has ended; the keeper reaps it
 
 
 def in_test_parent(pid: int) -> bool:
@@ -130,6 +137,7 @@ def pids_in_test_parent() -> set[int]:
 
 def clean_up(daemon: Daemon) -> None:
     daemon.stop()
+    daemon.stop_keeper()
     # The workers the test saw, and any it never saw (a worker that never became ready) that still
     # sits in the test's slots.
     leftovers = {p for p in daemon.worker_pids if in_test_parent(p)} | pids_in_test_parent()
@@ -149,6 +157,10 @@ def clean_up(daemon: Daemon) -> None:
         subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
     for name in our_veths():
         subprocess.run(["ip", "link", "delete", name], check=False, capture_output=True)
+    # The agent keeps its firewall table when it stops (leftover veths stay denied); this one is
+    # the test's own.
+    if our_firewall_table():
+        subprocess.run(["nft", "delete", "table", "inet", FIREWALL_TABLE], check=False, capture_output=True)
 
 
 @pytest.fixture
@@ -159,6 +171,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     finally:
         clean_up(d)
     assert not parent_dirs(), f"could not remove the test cgroups {sorted(map(str, parent_dirs()))}"
+    assert not our_firewall_table(), f"could not remove the test's nftables table {FIREWALL_TABLE}"
 
 
 # =========================================================================== checks
@@ -293,6 +306,11 @@ def test_allocate_isolate_serve_release(daemon: Daemon) -> None:
     burstable = wait_for_phase(client, response.json()["id"], "running")
     daemon.remember(burstable)
     slot_address = burstable["network"]["slot_address"]
+    # Default-deny is on (the slot may reach nothing), and still the agent's probes reached the
+    # worker (it is running) and so does a client on the host.
+    assert burstable["network"]["filtered"] is True
+    assert burstable["network"]["access"] == {"egress": "none", "host_ports": []}
+    assert our_firewall_table()
     assert infer(web_port, slot_address) == outputs
     with pytest.raises(httpx.ConnectError):
         infer(web_port)  # nothing listens on the host's loopback: the worker is in its own netns

@@ -22,7 +22,7 @@ from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, Pl
 from nodeagent.isolation.backend import NoIsolation, OwnedSlot
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
@@ -78,21 +78,34 @@ class FakeIsolation:
     """The kernel side: cgroups and netns are entries in ``world``; ``names`` maps slot ids to names
     (the store's), so tests can make the isolation of a slot they know by name fail."""
 
-    def __init__(self, world: World, names: Callable[[str], str] = lambda slot_id: slot_id) -> None:
+    def __init__(
+        self,
+        world: World,
+        names: Callable[[str], str] = lambda slot_id: slot_id,
+        degraded: tuple[str, ...] = (),
+    ) -> None:
         self.world = world
         self._names = names
+        self._degraded = degraded
+        #: the last spec applied per slot id: what the manager asked isolation for
+        self.specs: dict[str, SlotIsolationSpec] = {}
 
     @property
     def cgroup_mode(self) -> str:
         return "v1"
 
+    @property
+    def isolates(self) -> bool:
+        return True
+
     def degraded(self) -> tuple[str, ...]:
-        return ()
+        return self._degraded
 
     def prepare(self) -> None:
         self.world.prepared_with = set(self.world.cgroups)
 
     def apply(self, spec: SlotIsolationSpec) -> AppliedSlot:
+        self.specs[spec.slot_id] = spec
         name = self._names(spec.slot_id)
         if name in self.world.fail_apply:
             raise CgroupError(f"cannot write cpuset of {spec.slot_id}")
@@ -400,6 +413,32 @@ def test_degraded_kernel_refuses_allocation(tmp_path: Path, world: World) -> Non
             manager.allocate(parse_slot_request(guaranteed()))
     finally:
         manager.close()
+
+
+def test_a_missing_mechanism_is_reported_but_does_not_stop_other_slots(make: Any, world: World) -> None:
+    # A host without the network firewall still isolates everything else: the reason shows in
+    # the node's degraded list, slots without a network are placed and isolated as usual, and
+    # reconcile still removes orphans (it did nothing of that while any reason was listed).
+    world.cgroups["orphan"] = {"cpus": [], "qos": "burstable"}
+    reason = "network filtering: libnftables.so.1 cannot be loaded"
+    manager = make(FakeIsolation(world, degraded=(reason,)))
+    assert "orphan" not in world.cgroups
+    assert manager.node().degraded == (reason,)
+    slot = manager.allocate(parse_slot_request(guaranteed())).slot
+    assert slot.state is SlotState.READY
+    assert slot.cgroup is not None
+
+
+def test_network_access_of_the_request_reaches_isolation(make: Any, world: World) -> None:
+    kernel = FakeIsolation(world)
+    manager = make(kernel)
+    network = {"egress": "nat", "host_ports": [{"port": 9100}, {"port": 53, "protocol": "udp"}]}
+    request = {"name": "web", "qos": "burstable", "resources": {"cpus": 1, "network": network}}
+    slot = manager.allocate(parse_slot_request(request)).slot
+    spec = kernel.specs[slot.id].network
+    assert spec == SlotNetworkSpec(None, "nat", (HostPort(53, "udp"), HostPort(9100, "tcp")))
+    plain = manager.allocate(parse_slot_request({**request, "name": "quiet", "resources": {"network": {}}}))
+    assert kernel.specs[plain.slot.id].network == SlotNetworkSpec()
 
 
 def test_degraded_kernel_with_unisolated_allowed(tmp_path: Path, world: World) -> None:

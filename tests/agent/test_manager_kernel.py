@@ -1,4 +1,4 @@
-"""The real SlotManager on this host's kernel: real isolator, real spawner, a throwaway cgroup parent."""
+"""The real SlotManager on this host's kernel: real isolator, real keeper, a throwaway cgroup parent."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.schema.request import parse_slot_request
 from tests.daemon import HOST_OFF
 
@@ -35,10 +36,15 @@ REQUEST = {
 @pytest.fixture
 def config(tmp_path: Path) -> Iterator[object]:
     cfg = apply_overrides(
-        parse_config({"isolation": {"cgroup_parent": PARENT, **HOST_OFF}}), state_dir=tmp_path / "state"
+        # Its own firewall table too: remove_all() below deletes the configured one.
+        parse_config(
+            {"isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m", **HOST_OFF}}
+        ),
+        state_dir=tmp_path / "state",
     )
     ensure_state_dir(cfg.state_dir)
     yield cfg
+    stop_keeper(cfg.state_dir / "keeper")  # the host keeper outlives the managers of the test
     kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
     if isinstance(kernel, KernelIsolation):
         kernel.isolator.remove_all()  # kills anything left in the slots, removes the parent

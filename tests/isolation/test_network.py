@@ -6,7 +6,6 @@ import ipaddress
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from nodeagent.isolation.network import (
     tc_commands,
     validate_slot_id,
 )
+from tests.isolation.netns import base36, connect_from, listen_in, python_in
 
 Net = ipaddress.IPv4Network
 Addr = ipaddress.IPv4Address
@@ -236,21 +236,11 @@ BACKENDS: list[Callable[[SlotNetworkConfig], NetworkBackend]] = [Pyroute2Backend
 
 def _test_config() -> SlotNetworkConfig:
     pid = os.getpid()
-    tag = f"natest{_base36(pid)}"
+    tag = f"natest{base36(pid)}"
     # Carrier-grade NAT space, a /16 per test process: parallel runs never share a pool.
     return SlotNetworkConfig(
         cidr=f"100.{64 + pid % 64}.0.0/16", netns_prefix=f"{tag}-", veth_prefix=tag, rule_priority=3232
     )
-
-
-def _base36(number: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        number, rest = divmod(number, 36)
-        out = digits[rest] + out
-        if not number:
-            return out
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.__name__)
@@ -259,56 +249,6 @@ def backend(request: pytest.FixtureRequest) -> Iterator[NetworkBackend]:
     yield impl
     impl.remove_owned(impl.list_owned())
     assert impl.list_owned().empty
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def _python_in(net: SlotNetwork, code: str, timeout: float = 15) -> str:
-    done = subprocess.run(
-        ["nsenter", f"--net={net.netns_path}", sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=True,
-    )
-    return done.stdout.strip()
-
-
-def _connect_from(net: SlotNetwork, address: Addr, port: int) -> str:
-    code = (
-        "import socket\n"
-        "s = socket.socket(); s.settimeout(1.5)\n"
-        "try:\n"
-        f"    s.connect(({str(address)!r}, {port})); print('connected')\n"
-        "except OSError as err:\n"
-        "    print('failed', err)\n"
-    )
-    return _python_in(net, code)
-
-
-def _listen_in(net: SlotNetwork, processes: list[subprocess.Popen[str]]) -> int:
-    code = (
-        "import socket\n"
-        f"s = socket.create_server(({str(net.slot_address)!r}, 0))\n"
-        "print(s.getsockname()[1], flush=True)\n"
-        "while True: s.accept()[0].close()\n"
-    )
-    proc = subprocess.Popen(
-        ["nsenter", f"--net={net.netns_path}", sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
-    )
-    processes.append(proc)
-    assert proc.stdout is not None
-    return int(proc.stdout.readline())
 
 
 class HostServer:
@@ -351,22 +291,22 @@ def test_slot_reaches_its_host_side_but_not_another_slot(
     b = backend.setup("b", 1)
     server = HostServer(a.host_address)
     try:
-        assert _connect_from(a, a.host_address, server.port) == "connected"
+        assert connect_from(a, a.host_address, server.port) == "connected"
     finally:
         server.close()
-    port = _listen_in(a, processes)
+    port, _ = listen_in(a, processes)
     # Turn forwarding on for just these two host veths (dies with them): the rule must hold
     # even on a host that forwards, which is what container hosts usually do.
     for net in (a, b):
         _write_sysctl(f"/proc/sys/net/ipv4/conf/{net.host_ifname}/forwarding", "1")
-    assert _connect_from(b, a.slot_address, port).startswith("failed")
+    assert connect_from(b, a.slot_address, port).startswith("failed")
     # Control: without our rules the same probe gets through, so the drop above is the rule's.
     for net in (a, b):
         subprocess.run(
             ["ip", "rule", "del", "iif", net.host_ifname, "priority", str(backend.config.rule_priority)],
             check=True,
         )
-    assert _connect_from(b, a.slot_address, port) == "connected"
+    assert connect_from(b, a.slot_address, port) == "connected"
 
 
 @pytest.mark.root
@@ -384,7 +324,7 @@ def test_egress_limit_holds_within_15_percent() -> None:
                 "while time.monotonic() < end: s.sendall(chunk)\n"
                 "s.close()\n"
             )
-            _python_in(net, code)
+            python_in(net, code)
             server.join(timeout=15)
         finally:
             server.close()

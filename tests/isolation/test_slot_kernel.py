@@ -9,14 +9,25 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-from collections.abc import Callable, Iterator
+import subprocess
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from nodeagent.cgroups import UNLIMITED, CgroupHost, Resources, detect, open_manager
-from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, Unsupported
-from nodeagent.isolation.network import SlotNetworkConfig
+from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
+from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.isolation.firewall import NftFirewall, SlotElements
+from nodeagent.isolation.network import (
+    HostPort,
+    IpBatchBackend,
+    SlotAccess,
+    SlotNetwork,
+    SlotNetworkConfig,
+    host_veth_name,
+)
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
@@ -196,6 +207,7 @@ def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
         netns_prefix=f"natest-{tag}-",
         veth_prefix=tag,
         rule_priority=3233,
+        nft_table=f"natest-{tag}",
     )
     config = IsolationConfig(
         cgroup_parent=f"natest{pid}-{next(_numbers)}.slice",
@@ -208,6 +220,7 @@ def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
         yield iso
     finally:
         iso.remove_all()
+        assert not _has_table(network.nft_table), "firewall table left behind"
         leftovers = [m / config.cgroup_parent for m in (*host.v1_mounts.values(), host.v2_mount) if m]
         assert not [p for p in leftovers if p.exists()], "cgroups left behind"
         assert (
@@ -413,6 +426,113 @@ def test_network_namespace_is_created_and_removed_with_the_slot(isolator: SlotIs
     isolator.release("b")
     assert not Path(slot.netns_path).exists()
     assert isolator.list_owned().network.empty
+
+
+def _has_table(name: str) -> bool:
+    done = subprocess.run(["nft", "list", "table", "inet", name], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def _opt_ins(isolator: SlotIsolator) -> SlotElements:
+    firewall = isolator.network.firewall
+    assert isinstance(firewall, NftFirewall)
+    return firewall.read_table().elements
+
+
+@pytest.mark.root
+def test_network_access_follows_the_spec_through_apply_resize_and_release(isolator: SlotIsolator) -> None:
+    ports = (HostPort(9000), HostPort(53, "udp"))
+    slot = isolator.apply(burstable(network=SlotNetworkSpec(host_ports=ports)))
+    assert slot.network is not None
+    assert (slot.network.filtered, slot.network.access) == (True, SlotAccess(host_ports=ports))
+    veth = slot.network.host_ifname
+    assert _opt_ins(isolator).host_ports == {(veth, "tcp", 9000), (veth, "udp", 53)}
+    resized = isolator.resize(burstable(network=SlotNetworkSpec(egress="nat", host_ports=(HostPort(9001),))))
+    assert resized.network is not None
+    assert resized.network.subnet == slot.network.subnet  # same netns: only the opt-ins changed
+    elements = _opt_ins(isolator)
+    assert elements.host_ports == {(veth, "tcp", 9001)}
+    assert elements.egress == {(veth, str(slot.network.slot_address))}
+    isolator.release("b")
+    assert not _opt_ins(isolator)
+
+
+@pytest.mark.root
+def test_firewall_opt_ins_of_a_crashed_agent_are_orphans(isolator: SlotIsolator) -> None:
+    isolator.apply(burstable("gone", network=SlotNetworkSpec(host_ports=(HostPort(9000),))))
+    isolator.apply(burstable("kept", network=SlotNetworkSpec(host_ports=(HostPort(9000),))))
+    # A new isolator (a restarted agent) knows only what the kernel tells it.
+    restarted = SlotIsolator(isolator.host, isolator.config, resctrl=isolator.resctrl)
+    removed = restarted.remove_orphans({"kept"})
+    gone = host_veth_name(isolator.config.network, "gone")
+    assert removed.network.firewall_ifnames == (gone,)
+    assert _opt_ins(isolator).ifnames() == {host_veth_name(isolator.config.network, "kept")}
+
+
+@pytest.mark.root
+def test_a_restart_puts_a_flushed_table_back_only_where_slot_veths_exist(isolator: SlotIsolator) -> None:
+    table = isolator.config.network.nft_table
+    isolator.ensure_firewall()
+    assert not _has_table(table)  # no slot network here: no table, no library work
+    isolator.apply(burstable(network=SlotNetworkSpec()))
+    subprocess.run(["nft", "delete", "table", "inet", table], check=True)  # the test's own table
+    restarted = KernelIsolation(SlotIsolator(isolator.host, isolator.config, resctrl=isolator.resctrl))
+    restarted.prepare()
+    assert _has_table(table)
+    assert restarted.degraded() == ()
+
+
+@dataclass
+class BrokenFirewall:
+    def ensure(self) -> None:
+        raise NetworkError("nftables refused to set up the slot firewall: Operation not supported")
+
+    def apply(self, plan: SlotNetwork) -> None: ...
+
+    def remove(self, host_ifname: str) -> None: ...
+
+    def list_owned(self) -> tuple[str, ...]:
+        return ()
+
+    def remove_owned(self, host_ifnames: Iterable[str]) -> None: ...
+
+    def remove_all(self) -> None: ...
+
+
+@pytest.mark.root
+def test_a_firewall_that_cannot_be_set_up_at_start_is_reported_not_fatal(isolator: SlotIsolator) -> None:
+    isolator.apply(burstable(network=SlotNetworkSpec()))  # a slot veth exists
+    backend = IpBatchBackend(isolator.config.network, BrokenFirewall())
+    kernel = KernelIsolation(SlotIsolator(isolator.host, isolator.config, backend, isolator.resctrl))
+    kernel.prepare()
+    (reason,) = kernel.degraded()
+    assert "firewall table could not be set up" in reason
+    assert "Operation not supported" in reason
+    assert kernel.isolates
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed-unfiltered"])
+def test_without_a_firewall_network_slots_need_the_operators_consent(
+    host: CgroupHost, isolator: SlotIsolator, allowed: bool
+) -> None:
+    config = replace(isolator.config, allow_unfiltered_network=allowed)
+    unfiltered = IpBatchBackend(config.network)  # no firewall, as where libnftables is missing
+    iso = SlotIsolator(host, config, network_backend=unfiltered, resctrl=isolator.resctrl)
+    spec = burstable("net", network=SlotNetworkSpec())
+    (reason,) = iso.degraded()
+    assert reason.startswith("network filtering: the network backend has no firewall")
+    if not allowed:
+        refusal = r"slot net asks for a network namespace, but .* allow_unfiltered_network = true"
+        with pytest.raises(Unsupported, match=refusal):
+            iso.apply(spec)
+        assert not open_manager(host, iso.hierarchy.slot_path("net", "burstable")).exists()
+        return
+    slot = iso.apply(spec)
+    assert slot.network is not None
+    assert slot.network.filtered is False
+    assert "run unfiltered" in iso.degraded()[0]
+    iso.release("net")
 
 
 @pytest.mark.root

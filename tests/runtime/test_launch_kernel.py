@@ -1,31 +1,19 @@
-"""Launching into a real cgroup v1 slot through the spawner and keeper; checked from /proc."""
+"""Launching into a real cgroup v1 slot through the host keeper; checked from /proc."""
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from nodeagent.errors import WorkerError
-from nodeagent.runtime.logs import tail
-from nodeagent.runtime.process import ExitRecord, read_state
-from nodeagent.runtime.spawner import Spawner
-from tests.runtime.conftest import keeper_of, make_request
+from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.logs import read_log
+from tests.runtime.conftest import current_keeper, make_request, wait_for_exit, wait_until
 from tests.runtime.slotcg import V1Slot
 
 pytestmark = pytest.mark.root
-
-
-def wait_for_exit(run_dir: Path, timeout: float = 10.0) -> ExitRecord:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = read_state(run_dir)
-        if state is not None and state.exit is not None:
-            return state.exit
-        time.sleep(0.02)
-    raise AssertionError(f"no exit recorded in {run_dir} within {timeout}s")
 
 
 def proc_status(pid: int) -> dict[str, str]:
@@ -33,12 +21,12 @@ def proc_status(pid: int) -> dict[str, str]:
     return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
 
 
-def test_worker_runs_inside_its_slot(tmp_path, slot: V1Slot, spawner: Spawner, kill_keepers):
+def test_worker_runs_inside_its_slot(tmp_path, slot: V1Slot, keeper: KeeperClient, kill_workers):
     req = make_request(
         tmp_path, slot, ["sleep", "60"], cpus=(0,), uid=65534, gid=65534, groups=(), umask=0o077, cwd="/tmp"
     )
-    result = spawner.launch(req)
-    kill_keepers.append(keeper_of(result))
+    result = keeper.launch(req)
+    kill_workers.append(result.identity)
 
     cgroups = Path(f"/proc/{result.pid}/cgroup").read_text()
     for controller in ("cpuset", "memory", "pids", "freezer"):
@@ -53,9 +41,11 @@ def test_worker_runs_inside_its_slot(tmp_path, slot: V1Slot, spawner: Spawner, k
     environ = Path(f"/proc/{result.pid}/environ").read_bytes().split(b"\0")
     assert b"NATEST=1" in environ
     assert Path(f"/proc/{result.pid}/cwd").readlink() == Path("/tmp")
-    # The keeper is the worker's parent and stays outside the slot.
-    assert int(status["PPid"]) == result.keeper_pid
-    assert result.keeper_pid not in slot.pids()
+    # The host keeper is the worker's parent and stays outside the slot.
+    host_keeper = current_keeper(tmp_path / "keeper")
+    assert result.state.keeper == host_keeper
+    assert int(status["PPid"]) == host_keeper.pid
+    assert host_keeper.pid not in slot.pids()
     assert slot.pids() == [result.pid]
 
     slot.kill_all(5.0)
@@ -63,17 +53,23 @@ def test_worker_runs_inside_its_slot(tmp_path, slot: V1Slot, spawner: Spawner, k
     assert (record.signal, record.reason) == (9, "signaled")
 
 
-def test_exit_status_and_output_are_recorded(tmp_path, slot, spawner, kill_keepers):
-    req = make_request(tmp_path, slot, ["sh", "-c", "echo to-out; echo to-err >&2; exit 7"])
-    kill_keepers.append(keeper_of(spawner.launch(req)))
+def test_exit_status_and_output_are_recorded_in_time_order(tmp_path, slot, keeper, kill_workers):
+    script = "echo first; sleep 0.1; echo second >&2; sleep 0.1; echo third; exit 7"
+    req = make_request(tmp_path, slot, ["sh", "-c", script])
+    kill_workers.append(keeper.launch(req).identity)
 
     record = wait_for_exit(Path(req.run_dir))
     assert (record.code, record.signal, record.reason) == (7, None, "exited")
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not (Path(req.log_dir) / "stderr.log").stat().st_size:
-        time.sleep(0.02)
-    assert tail(Path(req.log_dir), "stdout", 5) == ["to-out"]
-    assert tail(Path(req.log_dir), "stderr", 5) == ["to-err"]
+    lines = wait_until(
+        "three lines of output",
+        lambda: len(read_log(Path(req.log_dir), 5)) == 3 and read_log(Path(req.log_dir), 5),
+    )
+    assert [(line.stream, line.text) for line in lines] == [
+        ("stdout", "first"),
+        ("stderr", "second"),
+        ("stdout", "third"),
+    ]
+    assert [line.render() for line in lines] == ["first", "[stderr] second", "third"]
 
 
 @pytest.mark.parametrize(
@@ -84,18 +80,18 @@ def test_exit_status_and_output_are_recorded(tmp_path, slot, spawner, kill_keepe
         pytest.param(["true"], {"netns": "/nonexistent/netns"}, "enter netns", id="missing-netns"),
     ],
 )
-def test_failed_launch_names_the_step(tmp_path, slot, spawner, *, argv, extra, step):
+def test_failed_launch_names_the_step(tmp_path, slot, keeper, *, argv, extra, step):
     with pytest.raises(WorkerError, match=step):
-        spawner.launch(make_request(tmp_path, slot, argv, **extra))
+        keeper.launch(make_request(tmp_path, slot, argv, **extra))
     assert slot.pids() == []
 
 
-def test_oom_kill_is_reported_as_such(tmp_path, spawner, kill_keepers):
+def test_oom_kill_is_reported_as_such(tmp_path, keeper, kill_workers):
     oom_slot = V1Slot(memory_bytes=48 * 1024 * 1024)
     try:
         hog = "chunks = []\nwhile True:\n    chunks.append(b'x' * (8 << 20))"
         req = make_request(tmp_path, oom_slot, [sys.executable, "-c", hog])
-        kill_keepers.append(keeper_of(spawner.launch(req)))
+        kill_workers.append(keeper.launch(req).identity)
         record = wait_for_exit(Path(req.run_dir), timeout=30)
         assert (record.signal, record.oom_killed, record.reason) == (9, True, "oom-killed")
         assert oom_slot.oom_kill_count() >= 1
@@ -103,10 +99,10 @@ def test_oom_kill_is_reported_as_such(tmp_path, spawner, kill_keepers):
         oom_slot.remove()
 
 
-def test_thread_and_slot_environment_reach_the_worker(tmp_path, slot, spawner, kill_keepers):
+def test_thread_and_slot_environment_reach_the_worker(tmp_path, slot, keeper, kill_workers):
     req = make_request(tmp_path, slot, ["sleep", "60"], env={"OMP_NUM_THREADS": "3", "PATH": "/bin:/usr/bin"})
-    result = spawner.launch(req)
-    kill_keepers.append(keeper_of(result))
+    result = keeper.launch(req)
+    kill_workers.append(result.identity)
     environ = dict(
         entry.split("=", 1) for entry in Path(f"/proc/{result.pid}/environ").read_text().split("\0") if entry
     )

@@ -1,4 +1,4 @@
-"""pidfd_exited on real processes, including descriptors past select()'s FD_SETSIZE (1024): a
+"""fd_fired on real pidfds, including descriptors past select()'s FD_SETSIZE (1024): a
 daemon holding two pidfds per worker gets there at about 500 workers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nodeagent.runtime.process import pidfd_exited
+from nodeagent.runtime.process import fd_fired
 
 HIGH_FD = 1500
 
@@ -41,13 +41,13 @@ def test_a_pidfd_reads_exited_only_once_its_process_has(
         pytest.skip(f"the open-files limit is below {fd}")
     pidfd = pidfd_at(child.pid, fd)
     try:
-        assert not pidfd_exited(pidfd)
+        assert not fd_fired(pidfd)
         child.kill()
         child.wait()
-        assert pidfd_exited(pidfd)
+        assert fd_fired(pidfd)
     finally:
         os.close(pidfd)
 
 
 def test_no_pidfd_stands_for_a_process_that_is_gone() -> None:
-    assert pidfd_exited(-1)
+    assert fd_fired(-1)

@@ -4,18 +4,17 @@ order, cleaned up when unused, and joined to the slot before the worker's first 
 from __future__ import annotations
 
 import os
-import select
 import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from nodeagent.errors import WorkerError
 from nodeagent.runtime.enter import join_cgroups, join_file
-from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
-from nodeagent.runtime.spawner import Spawner
-from tests.runtime.conftest import keeper_of, make_request
+from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.logs import read_log
+from nodeagent.runtime.process import ProcessIdentity, process_start_time
+from tests.runtime.conftest import current_keeper, make_request, stop_test_keeper, wait_gone, wait_until
 from tests.runtime.slotcg import V1Slot
 
 
@@ -28,16 +27,6 @@ def _identity(pid: int) -> ProcessIdentity:
     start_time = process_start_time(pid)
     assert start_time is not None
     return ProcessIdentity(pid, start_time)
-
-
-def _wait_gone(identity: ProcessIdentity, timeout: float = 10.0) -> bool:
-    pidfd = open_verified_pidfd(identity)
-    if pidfd is None:
-        return True
-    try:
-        return bool(select.select([pidfd], [], [], timeout)[0])
-    finally:
-        os.close(pidfd)
 
 
 @pytest.mark.parametrize(
@@ -82,73 +71,78 @@ def test_joining_through_tasks_moves_the_whole_single_threaded_process(slot: V1S
 
 
 @pytest.mark.root
-def test_idle_children_wait_outside_any_slot_without_running_user_code(spawner: Spawner):
-    idle = spawner.idle_children()
+def test_idle_children_wait_outside_any_slot_without_running_user_code(tmp_path, keeper: KeeperClient):
+    idle = keeper.idle_children()
     assert len(idle) == 2
+    host_keeper = current_keeper(tmp_path / "keeper")
     for child in idle:
+        assert _parent(child.pid) == host_keeper.pid
         # Still the interpreter it was forked from: nothing was exec'd.
-        assert Path(f"/proc/{child.pid}/exe").resolve() == Path(f"/proc/{os.getpid()}/exe").resolve()
+        assert Path(f"/proc/{child.pid}/exe").resolve() == Path(f"/proc/{host_keeper.pid}/exe").resolve()
         assert (
             Path(f"/proc/{child.pid}/cgroup").read_text()
-            == Path(f"/proc/{_parent(child.pid)}/cgroup").read_text()
+            == Path(f"/proc/{host_keeper.pid}/cgroup").read_text()
         )
-        # stdio and its three pipes, nothing inherited from the agent or the keeper.
-        assert len(os.listdir(f"/proc/{child.pid}/fd")) == 6
+        # stdio and its three pipes, nothing inherited from the agent or the keeper (once it has
+        # prepared itself, which it does after the keeper handed it over).
+        fds = f"/proc/{child.pid}/fd"
+        wait_until(f"child {child.pid} to close what it inherited", lambda fds=fds: len(os.listdir(fds)) == 6)
 
 
 @pytest.mark.root
-def test_launch_takes_the_first_idle_child(tmp_path, slot, spawner, kill_keepers):
-    first = spawner.idle_children()[0]
-    result = spawner.launch(make_request(tmp_path, slot, ["sleep", "60"]))
-    kill_keepers.append(keeper_of(result))
-    assert (result.pid, result.start_time) == (first.pid, first.start_time)
-    assert _parent(result.pid) == result.keeper_pid
+def test_launch_takes_the_first_idle_child(tmp_path, slot, keeper, kill_workers):
+    first = keeper.idle_children()[0]
+    result = keeper.launch(make_request(tmp_path, slot, ["sleep", "60"]))
+    kill_workers.append(result.identity)
+    assert result.identity == first
+    assert _parent(result.pid) == current_keeper(tmp_path / "keeper").pid
     slot.kill_all(5.0)
 
 
 @pytest.mark.root
-def test_worker_is_in_its_slot_at_its_first_instruction(tmp_path, slot, spawner, kill_keepers):
+def test_worker_is_in_its_slot_at_its_first_instruction(tmp_path, slot, keeper, kill_workers):
     # cat is the worker itself (exec'd, not forked), so what it prints is where exec left it.
     req = make_request(tmp_path, slot, ["cat", "/proc/self/cgroup"])
-    kill_keepers.append(keeper_of(spawner.launch(req)))
-    log = Path(req.log_dir) / "stdout.log"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and f"pids:/{slot.name}" not in (
-        log.read_text() if log.exists() else ""
-    ):
-        time.sleep(0.02)
-    text = log.read_text()
+    kill_workers.append(keeper.launch(req).identity)
+    log = Path(req.log_dir) / "worker.log"
+    wait_until("the worker's output", lambda: log.exists() and f"pids:/{slot.name}" in log.read_text())
+    text = "".join(line.text + "\n" for line in read_log(Path(req.log_dir), 50))
     for controller in ("cpuset", "memory", "pids", "freezer"):
         assert f":{controller}:/{slot.name}\n" in text
 
 
 @pytest.mark.root
-def test_unused_children_and_keepers_go_away_with_the_spawner():
-    spawner = Spawner()
-    spawner.start()
+def test_unused_children_go_away_with_the_client_and_the_keeper_stays(tmp_path):
+    client = KeeperClient(tmp_path / "keeper")
     try:
-        idle = spawner.idle_children()
-        keepers = [_identity(_parent(child.pid)) for child in idle]
+        idle = client.idle_children()
+        host_keeper = current_keeper(tmp_path / "keeper")
     finally:
-        spawner.close()
-    for process in (*idle, *keepers):
-        assert _wait_gone(process), f"pid {process.pid} is still there after close()"
+        client.close()
+    try:
+        for process in idle:
+            assert wait_gone(process), f"pid {process.pid} is still there after close()"
+        assert process_start_time(host_keeper.pid) == host_keeper.start_time
+    finally:
+        stop_test_keeper(tmp_path / "keeper")
+    assert wait_gone(host_keeper)
 
 
 @pytest.mark.root
-def test_a_keeper_lost_before_the_launch_fails_it_cleanly(tmp_path, slot, spawner, kill_keepers):
-    first = spawner.idle_children()[0]
-    keeper_pid = _parent(first.pid)
-    keeper = _identity(keeper_pid)
-    os.kill(keeper_pid, signal.SIGKILL)  # a keeper this test's spawner started
-    # kill() returns before the keeper has died: until then its pipe still takes the request.
-    assert _wait_gone(keeper)
-    with pytest.raises(WorkerError, match="hand the request to the keeper"):
-        spawner.launch(make_request(tmp_path, slot, ["sleep", "60"]))
-    assert _wait_gone(first)
-    assert slot.pids() == []
-    # The next idle keeper takes the next launch.
-    result = spawner.launch(make_request(tmp_path, slot, ["sleep", "60"]))
-    kill_keepers.append(keeper_of(result))
+def test_a_keeper_lost_before_the_launch_is_replaced_and_the_launch_goes_through(
+    tmp_path, slot, keeper, kill_workers
+):
+    idle = keeper.idle_children()
+    old = current_keeper(tmp_path / "keeper")
+    os.kill(old.pid, signal.SIGKILL)  # the keeper this test started
+    assert wait_gone(old)
+    result = keeper.launch(make_request(tmp_path, slot, ["sleep", "60"]))
+    kill_workers.append(result.identity)
+    new = current_keeper(tmp_path / "keeper")
+    assert new != old
+    assert _parent(result.pid) == new.pid
     assert slot.pids() == [result.pid]
+    # The children the dead keeper had armed were dropped, and exited: none ran anything.
+    for child in idle:
+        assert wait_gone(child)
     slot.kill_all(5.0)

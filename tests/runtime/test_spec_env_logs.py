@@ -1,4 +1,4 @@
-"""WorkerSpec validation and presets, environment wiring, log rotation and tail: plain data and tmp files."""
+"""WorkerSpec validation and presets, environment wiring, the launch request: plain data and tmp files."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from nodeagent.errors import InvalidRequest, NotFound
+from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
-from nodeagent.runtime.logs import RotatingLog, tail
 from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.schema.worker import ProbeKind, RestartPolicy, parse_worker_spec
@@ -194,31 +193,6 @@ def test_launch_request_round_trips_json():
         log_dir="/l",
         cpus=(1,),
         rlimits={"nofile": (1, 2)},
+        stop_grace_seconds=2.5,
     )
     assert LaunchRequest.from_json(json.loads(json.dumps(req.to_json()))) == req
-
-
-def test_rotation_keeps_backups_and_tail_reads_across_files(tmp_path):
-    log = RotatingLog(tmp_path / "stdout.log", max_bytes=20, backups=2)
-    for i in range(12):
-        log.write(f"line {i:02d}\n".encode())  # 8 bytes a line: two lines a file
-    log.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stdout.log", "stdout.log.1", "stdout.log.2"]
-    assert (tmp_path / "stdout.log").read_text() == "line 10\nline 11\n"
-    assert tail(tmp_path, "stdout", 5) == ["line 07", "line 08", "line 09", "line 10", "line 11"]
-    assert tail(tmp_path, "stdout", 100) == [f"line {i:02d}" for i in range(6, 12)]
-
-
-def test_a_write_larger_than_a_file_is_split_on_lines(tmp_path):
-    log = RotatingLog(tmp_path / "stderr.log", max_bytes=16, backups=5)
-    log.write(b"aaaa\nbbbb\ncccc\ndddd\n")
-    log.close()
-    assert tail(tmp_path, "stderr", 10) == ["aaaa", "bbbb", "cccc", "dddd"]
-    assert all(p.stat().st_size <= 16 for p in tmp_path.iterdir())
-
-
-def test_tail_of_a_missing_log_says_so(tmp_path):
-    with pytest.raises(NotFound, match="has not been started"):
-        tail(tmp_path, "stdout")
-    with pytest.raises(NotFound, match="stream"):
-        tail(tmp_path, "journal")

@@ -1,4 +1,4 @@
-"""Supervision and re-adoption with real processes in a real cgroup v1 slot."""
+"""Supervision and re-adoption with real processes in a real cgroup v1 slot, through a real keeper."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.runtime.adopt import adopt, resume_supervision
+from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.process import (
     ProcessIdentity,
     WorkerState,
@@ -21,9 +22,9 @@ from nodeagent.runtime.process import (
     read_state,
     write_state,
 )
-from nodeagent.runtime.supervisor import Backoff, Phase, SpawnerLauncher, Supervisor
+from nodeagent.runtime.supervisor import Backoff, Phase, Supervisor
 from nodeagent.schema.worker import HttpCheck, Probe, RestartPolicy, WorkerSpec
-from tests.runtime.conftest import make_request
+from tests.runtime.conftest import current_keeper, make_request, wait_gone
 
 pytestmark = pytest.mark.root
 
@@ -44,13 +45,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_crashing_worker_is_restarted_with_growing_backoff(tmp_path, slot, spawner, kill_keepers):
+def test_crashing_worker_is_restarted_with_growing_backoff(tmp_path, slot, keeper):
     spec = WorkerSpec(command=("sh", "-c", "exit 3"), restart=RestartPolicy.ON_FAILURE)
     backoff = Backoff(initial_seconds=0.05, factor=2.0, crashloop_after=3)
     sup = Supervisor(
         spec,
         make_request(tmp_path, slot, list(spec.command)),
-        SpawnerLauncher(spawner),
+        keeper,
         slot,
         backoff=backoff,
     )
@@ -72,7 +73,7 @@ def test_crashing_worker_is_restarted_with_growing_backoff(tmp_path, slot, spawn
     ]
 
 
-def test_hung_worker_is_killed_by_its_liveness_probe(tmp_path, slot, spawner, kill_keepers):
+def test_hung_worker_is_killed_by_its_liveness_probe(tmp_path, slot, keeper):
     port = free_port()
     # Accepts connections but never answers, and ignores SIGTERM: only the slot kill can end it.
     hung = (
@@ -94,7 +95,7 @@ def test_hung_worker_is_killed_by_its_liveness_probe(tmp_path, slot, spawner, ki
         stop_grace_seconds=0.5,
         restart=RestartPolicy.NEVER,
     )
-    sup = Supervisor(spec, make_request(tmp_path, slot, list(spec.command)), SpawnerLauncher(spawner), slot)
+    sup = Supervisor(spec, make_request(tmp_path, slot, list(spec.command)), keeper, slot)
     sup.start()
     status = drive(sup, lambda s: s.phase is Phase.FAILED)
     assert status.last_exit is not None
@@ -105,18 +106,20 @@ def test_hung_worker_is_killed_by_its_liveness_probe(tmp_path, slot, spawner, ki
 
 AGENT = """
 import json, sys, time
+from pathlib import Path
+from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.spawner import Spawner
-spawner = Spawner()
-spawner.start()
-result = spawner.launch(LaunchRequest.from_json(json.loads(sys.argv[1])))
-print(json.dumps(result.__dict__), flush=True)
+worker = KeeperClient(Path(sys.argv[2])).launch(LaunchRequest.from_json(json.loads(sys.argv[1])))
+print(json.dumps({"pid": worker.pid, "start_time": worker.identity.start_time}), flush=True)
 time.sleep(600)
 """
 
 
-def run_agent_and_sigkill_it(request_json: str) -> dict[str, int]:
-    agent = subprocess.Popen([sys.executable, "-c", AGENT, request_json], stdout=subprocess.PIPE, text=True)
+def run_agent_and_sigkill_it(request_json: str, keeper_dir: Path) -> dict[str, int]:
+    """An agent of its own launches the worker through the keeper of ``keeper_dir``, then dies."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, request_json, str(keeper_dir)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert agent.stdout is not None
         launched = json.loads(agent.stdout.readline())
@@ -128,16 +131,17 @@ def run_agent_and_sigkill_it(request_json: str) -> dict[str, int]:
     return launched
 
 
-def test_worker_survives_agent_sigkill_and_is_readopted(tmp_path, slot, kill_keepers):
+def test_worker_survives_agent_sigkill_and_is_readopted(tmp_path, slot, keeper: KeeperClient):
     req = make_request(tmp_path, slot, ["sleep", "60"])
-    launched = run_agent_and_sigkill_it(json.dumps(req.to_json()))
-    kill_keepers.append(ProcessIdentity(launched["keeper_pid"], launched["keeper_start_time"]))
+    launched = run_agent_and_sigkill_it(json.dumps(req.to_json()), tmp_path / "keeper")
     time.sleep(0.2)
 
     # Untouched: same process, still in its slot, still the keeper's child.
     assert process_start_time(launched["pid"]) == launched["start_time"]
     assert slot.pids() == [launched["pid"]]
-    found = adopt(Path(req.run_dir))
+    status = Path(f"/proc/{launched['pid']}/status").read_text()
+    assert f"PPid:\t{current_keeper(tmp_path / 'keeper').pid}\n" in status
+    found = adopt(Path(req.run_dir), keeper)
     assert found.process is not None
     assert found.process.identity == ProcessIdentity(launched["pid"], launched["start_time"])
 
@@ -151,10 +155,9 @@ def test_worker_survives_agent_sigkill_and_is_readopted(tmp_path, slot, kill_kee
     assert status.last_exit.signal == signal.SIGTERM  # the keeper recorded it, the agent read it
 
 
-def test_exit_while_agent_is_down_is_recorded_and_handled_by_policy(tmp_path, slot, kill_keepers):
+def test_exit_while_agent_is_down_is_recorded_and_handled_by_policy(tmp_path, slot, keeper: KeeperClient):
     req = make_request(tmp_path, slot, ["sh", "-c", "sleep 0.3; exit 5"])
-    launched = run_agent_and_sigkill_it(json.dumps(req.to_json()))
-    kill_keepers.append(ProcessIdentity(launched["keeper_pid"], launched["keeper_start_time"]))
+    launched = run_agent_and_sigkill_it(json.dumps(req.to_json()), tmp_path / "keeper")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and process_start_time(launched["pid"]) is not None:
         time.sleep(0.05)
@@ -162,7 +165,7 @@ def test_exit_while_agent_is_down_is_recorded_and_handled_by_policy(tmp_path, sl
 
     spec = WorkerSpec(command=req.argv, restart=RestartPolicy.NEVER)
     sup = Supervisor(spec, req, launcher=None, cgroup=slot)  # type: ignore[arg-type]
-    found = resume_supervision(sup, Path(req.run_dir))
+    found = resume_supervision(sup, Path(req.run_dir), keeper)
     assert found.exit is not None
     assert (found.exit.code, found.exit.reason) == (5, "exited")
     assert sup.status().phase is Phase.FAILED
@@ -181,30 +184,34 @@ def _occupy_pid(target: int, attempts: int = 200) -> subprocess.Popen[bytes] | N
     return None
 
 
-def test_recycled_pid_is_never_adopted(tmp_path, slot, spawner, kill_keepers):
+def test_recycled_pid_is_never_adopted(tmp_path, slot, keeper: KeeperClient):
     req = make_request(tmp_path, slot, ["sleep", "60"])
-    result = spawner.launch(req)
-    kill_keepers.append(ProcessIdentity(result.keeper_pid, result.keeper_start_time))
+    result = keeper.launch(req)
+    result.close()
     time.sleep(0.1)
     recorded = read_state(Path(req.run_dir))
     assert recorded is not None
     # The worker and its keeper vanish without a word (as in a crash of the whole box's userland),
     # and the state file still names the worker as alive.
-    os.kill(result.keeper_pid, signal.SIGKILL)
+    host_keeper = current_keeper(tmp_path / "keeper")
+    os.kill(host_keeper.pid, signal.SIGKILL)
+    assert wait_gone(host_keeper)
     slot.kill_all(5.0)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and Path(f"/proc/{result.pid}").exists():
         time.sleep(0.02)  # until init has reaped the orphan and the pid is free again
     write_state(
         Path(req.run_dir),
-        WorkerState(recorded.launch_id, recorded.worker, recorded.keeper, recorded.started_at),
+        WorkerState(
+            recorded.launch_id, recorded.worker, recorded.keeper, recorded.started_at, None, recorded.custody
+        ),
     )
 
     stranger = _occupy_pid(result.pid)
     if stranger is None:
         pytest.skip(f"could not get pid {result.pid} back from the kernel (a busy host)")
     try:
-        found = adopt(Path(req.run_dir))
+        found = adopt(Path(req.run_dir), keeper)  # the keeper the client starts finds a stranger there
         assert found.process is None
         assert found.exit is not None
         assert found.exit.reason == "lost"

@@ -327,3 +327,12 @@ def test_resume_exited_applies_the_policy():
     sup.resume_exited(exited(sig=signal.SIGKILL))
     assert sup.status().phase is Phase.BACKOFF
     assert launcher.launched == []
+
+
+def test_a_launch_first_empties_the_slot_of_what_nobody_knows():
+    sup, _, launcher, cgroup, _ = make(WorkerSpec(command=("w",)))
+    cgroup.tasks = [4242]  # say a worker that exec'd as its keeper died, before custody
+    sup.start()
+    assert cgroup.kills == 1
+    assert cgroup.pids() == []
+    assert len(launcher.launched) == 1

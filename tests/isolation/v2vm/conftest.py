@@ -52,7 +52,10 @@ def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
     config = IsolationConfig(
         cgroup_parent=f"natest{pid}-{number}.slice",
         network=SlotNetworkConfig(
-            cidr=f"100.{128 + pid % 64}.0.0/16", netns_prefix=f"natest-{tag}-", veth_prefix=tag
+            cidr=f"100.{128 + pid % 64}.0.0/16",
+            netns_prefix=f"natest-{tag}-",
+            veth_prefix=tag,
+            nft_table=f"natest-{tag}",
         ),
         resctrl_prefix=f"natest-{tag}-",
         resctrl_root=tmp_path / "no-resctrl",
