@@ -172,7 +172,11 @@ class KernelHostPartitioning:
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self._sweep_seconds):
-            report = self._run(lambda p: p.sweep(), "sweep")
+            try:
+                report = self._run(lambda p: p.sweep(), "sweep")
+            except Exception:  # a bug in one pass must not end the sweeps for the agent's lifetime
+                log.exception("host sweep crashed; the next one runs as planned")
+                continue
             if report is not None and report.moved:
                 self._log(report, "sweep confined what had moved back")
 

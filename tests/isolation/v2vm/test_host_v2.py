@@ -181,7 +181,10 @@ def test_the_agent_partitions_the_host_survives_sigkill_and_puts_it_back(
         assert node["last"]["exclusive_cpus"] == str(cpu)
         # The owner widens it; the sweep (every 0.5 s here) puts it back within a few periods.
         os.sched_setaffinity(busy_in_root.pid, before["pid1"])  # type: ignore[arg-type]
-        wait_until("the sweep", lambda: os.sched_getaffinity(busy_in_root.pid) == host, timeout=10)
+        try:
+            wait_until("the sweep", lambda: os.sched_getaffinity(busy_in_root.pid) == host, timeout=20)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; the agent's log:\n{daemon.log_tail()}") from None
         time.sleep(1.0)
         foreign = client.get(f"/v1/slots/{slot['id']}").json()["foreign_cpu"]
         assert foreign is not None
