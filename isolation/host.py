@@ -546,38 +546,46 @@ class HostPartitioner:
     def apply(self, exclusive: frozenset[int]) -> HostReport:
         """Make the host match ``exclusive`` (empty: put everything back); record first, then change."""
         with self._lock:
-            began = time.monotonic()
-            record = self._record_file.load()
-            view = self._read()
-            plan = plan_host(view, frozenset(exclusive), record, self.parts)
-            report = HostReport(plan.exclusive, plan.host_cpus, at=self._clock())
-            report.problems += plan.problems
-            report.immovable += _limited(plan.immovable, "kernel threads")
-            irqbalance, warnings = self._notify(plan.record.exclusive, record.irqbalance)
-            report.warnings += warnings
-            wanted = replace(plan.record, irqbalance=irqbalance)
-            # The union of what was recorded and what is about to change: whatever instant the agent
-            # dies at, the file names everything that may differ from its wish.
-            self._save(_union(record, wanted), record)
-            failed, gone = self._move(plan.moves, report)
-            final = _settle(wanted, record, failed, gone, self._kinds_read())
-            self._save(final, _union(record, wanted))
-            report.confined = {
-                "tasks": len(final.tasks),
-                **{kind: sum(1 for k in final.knobs if k.startswith(kind + ":")) for kind in KNOB_PART},
-            }
-            report.seconds = time.monotonic() - began
-            self._exclusive = plan.exclusive
-            self.last = report
-            return report
+            return self._apply(frozenset(exclusive))
 
     def sweep(self) -> HostReport | None:
         """Apply the last exclusive set again: confines tasks that widened their affinity since, new
-        kernel threads, interrupts something moved back. None before the first apply."""
-        exclusive = self._exclusive
-        if exclusive is None or (not exclusive and self.recorded().empty):
-            return None  # nothing held off any CPU, nothing left to put back
-        return self.apply(exclusive)
+        kernel threads, interrupts something moved back. None before the first apply.
+
+        The exclusive set is read under the lock: a sweep that started while an allocation was
+        changing it must not put back what that allocation has just confined."""
+        with self._lock:
+            exclusive = self._exclusive
+            if exclusive is None or (not exclusive and self._record_file.load().empty):
+                return None  # nothing held off any CPU, nothing left to put back
+            return self._apply(exclusive)
+
+    def _apply(self, exclusive: frozenset[int]) -> HostReport:
+        """The body of :meth:`apply`; the caller holds the lock."""
+        began = time.monotonic()
+        record = self._record_file.load()
+        view = self._read()
+        plan = plan_host(view, exclusive, record, self.parts)
+        report = HostReport(plan.exclusive, plan.host_cpus, at=self._clock())
+        report.problems += plan.problems
+        report.immovable += _limited(plan.immovable, "kernel threads")
+        irqbalance, warnings = self._notify(plan.record.exclusive, record.irqbalance)
+        report.warnings += warnings
+        wanted = replace(plan.record, irqbalance=irqbalance)
+        # The union of what was recorded and what is about to change: whatever instant the agent
+        # dies at, the file names everything that may differ from its wish.
+        self._save(_union(record, wanted), record)
+        failed, gone = self._move(plan.moves, report)
+        final = _settle(wanted, record, failed, gone, self._kinds_read())
+        self._save(final, _union(record, wanted))
+        report.confined = {
+            "tasks": len(final.tasks),
+            **{kind: sum(1 for k in final.knobs if k.startswith(kind + ":")) for kind in KNOB_PART},
+        }
+        report.seconds = time.monotonic() - began
+        self._exclusive = plan.exclusive
+        self.last = report
+        return report
 
     def restore(self) -> HostReport:
         """Put back everything recorded (nothing exclusive)."""

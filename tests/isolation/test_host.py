@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -371,3 +372,32 @@ def test_a_task_that_exits_before_its_write_is_not_an_error(tmp_path: Path) -> N
     assert report.immovable == []
     assert report.moved == {"task": 1}
     assert set(partitioner(tmp_path, tasks).recorded().tasks) == {INIT.key}
+
+
+def test_a_sweep_that_races_an_allocation_never_puts_back_what_it_confined(tmp_path: Path) -> None:
+    """The sweep reads the exclusive set under the partitioner's lock: one that was waiting while an
+    allocation confined the host sweeps for the new set, not the one it saw before waiting."""
+    tasks = MemoryTasks([INIT, task(10)])
+    p = partitioner(tmp_path, tasks)
+    p.apply(F())  # start-up: nothing exclusive
+    entered = threading.Event()
+    release = threading.Event()
+    original_read = tasks.read
+
+    def slow_read() -> list[Task]:
+        entered.set()
+        release.wait(5)
+        return original_read()
+
+    tasks.read = slow_read  # type: ignore[method-assign]
+    allocation = threading.Thread(target=p.apply, args=(F({3}),))
+    allocation.start()
+    assert entered.wait(5)
+    tasks.read = original_read  # type: ignore[method-assign]
+    sweeper = threading.Thread(target=p.sweep)
+    sweeper.start()  # blocks on the lock the allocation holds
+    release.set()
+    allocation.join(5)
+    sweeper.join(5)
+    assert tasks.tasks[10].cpus == F({0, 1, 2})
+    assert tasks.tasks[1].cpus == F({0, 1, 2})
