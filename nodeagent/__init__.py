@@ -3,7 +3,8 @@ isolated slots for ML inference workers.
 
 The top-level folders of the repository install as subpackages of this namespace:
 ``nodeagent.devices`` (discovery), ``nodeagent.cgroups``, ``nodeagent.isolation``,
-``nodeagent.runtime`` and ``nodeagent.agent`` (the daemon, placement and the CLI).
+``nodeagent.runtime``, ``nodeagent.agent`` (the daemon and placement) and ``nodeagent.cli`` (the
+operator's command; each subcommand loads only what it uses).
 """
 
 from nodeagent.errors import NodeAgentError

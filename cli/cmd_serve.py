@@ -28,7 +28,7 @@ from nodeagent.agent.config import apply_overrides, load_config
 )
 def command(config_file: Path | None, listen: str | None, state_dir: Path | None) -> None:
     """Run the agent: reconcile, supervise workers, serve the REST API, report to the controller."""
-    from nodeagent.agent.daemon import serve  # noqa: PLC0415 - keep other commands' start-up light
+    from nodeagent.agent.daemon import serve  # noqa: PLC0415 - `serve --help` need not load the daemon
 
     config = apply_overrides(load_config(config_file), listen=listen, state_dir=state_dir)
     serve(config)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from nodeagent.agent.cmd_slots import api_options, client_from
+from nodeagent.cli.cmd_slots import api_options, client_from
 from nodeagent.schema.request import format_quantity_short
 
 _KINDS = ("total", "reserved", "allocatable", "allocated", "free")

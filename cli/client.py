@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-from nodeagent.agent.config import default_state_dir
+from nodeagent.defaults import DEFAULT_API, default_token_file
 from nodeagent.errors import (
     CgroupError,
     ConfigError,
@@ -36,7 +36,6 @@ from nodeagent.errors import (
 )
 from nodeagent.schema.request import NAME_PATTERN
 
-DEFAULT_API = "http://127.0.0.1:7070"
 API_ENV = "NODEAGENT_API"
 TOKEN_FILE_ENV = "NODEAGENT_TOKEN_FILE"  # noqa: S105 - the name of a variable, not a secret
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -74,10 +73,6 @@ _ERRORS_BY_STATUS: dict[int, type[NodeAgentError]] = {
     415: InvalidRequest,
     422: InvalidRequest,
 }
-
-
-def default_token_file() -> Path:
-    return default_state_dir() / "token"
 
 
 def resolve_api(api: str | None) -> str:
