@@ -6,31 +6,26 @@ in ``--token-file`` / ``NODEAGENT_TOKEN_FILE`` (default: ``<state dir>/token``, 
 server's message: the API's ``error.code`` picks the class (``does_not_fit`` -> PlacementError,
 ``not_found`` -> NotFound, ...), so the CLI prints them as it prints local errors.
 
-Built on the standard library's ``http.client``, not httpx: every ``nodeagent slots ...`` pays for
-the client's import before it sends a byte, and importing httpx (with httpcore, h11, anyio, idna and
-certifi) took ~65 ms on a 2-vCPU machine, most of the 80 ms the whole command may take; http.client
-costs ~20 ms. A CLI run makes one request, or a few in a row with ``--wait``, so httpx's pooling,
-async and HTTP/2 bought nothing. What httpx did for us is kept: one keep-alive connection, replaced
-when the agent has closed it meanwhile; one timeout for connecting and for each read or write;
-JSON bodies; the error messages (a refused connection, a timeout named ConnectTimeout, WriteTimeout
-or ReadTimeout as httpx named it). HTTPS uses the standard library's default certificate store
-(httpx used certifi's).
+The requests go through ``nodeagent.cli.transport`` (HTTP/1.1 on a socket), not httpx: importing
+httpx took ~65 ms of the 80 ms a whole ``nodeagent slots list`` may take (see that module's header).
+What the CLI relied on from httpx is kept: one keep-alive connection, one timeout (60 s) for
+connecting and for each read or write, JSON bodies, and the error messages (a refused connection, a
+timeout named ConnectTimeout, WriteTimeout or ReadTimeout, a URL without http:// or https://).
+Proxy variables (HTTP_PROXY, ...) are not read: the agent is on this host or reached directly.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import select
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 from nodeagent import __version__
+from nodeagent.cli.transport import Connection, Endpoint, ProtocolError, parse_url
 from nodeagent.defaults import DEFAULT_API, default_token_file
 from nodeagent.errors import (
     CgroupError,
@@ -118,17 +113,7 @@ def read_token(path: Path) -> str:
     return token
 
 
-class Endpoint(NamedTuple):
-    """Where the API is, from its URL."""
-
-    https: bool
-    host: str
-    port: int | None  #: None: the scheme's own
-    path_prefix: str  #: "" unless the API sits under a path (behind a proxy)
-
-
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     """One answer of the agent, read whole (the API's bodies are small JSON documents)."""
 
     method: str
@@ -157,7 +142,7 @@ class AgentClient:
             "Accept": "application/json",
             "User-Agent": f"nodeagent-cli/{__version__}",
         }
-        self._connection: http.client.HTTPConnection | None = None
+        self._connection: Connection | None = None
 
     @classmethod
     def from_options(cls, api: str | None = None, token_file: Path | None = None) -> AgentClient:
@@ -235,55 +220,35 @@ class AgentClient:
             headers["Content-Type"] = "application/json"
         stage = "ConnectTimeout"
         try:
-            connection = self._connected(endpoint)
+            connection = self._connection_to(endpoint)
+            connection.open()
             stage = "WriteTimeout"
-            connection.request(method, target + (f"?{urlencode(query)}" if query else ""), payload, headers)
+            connection.send(method, target + (f"?{urlencode(query)}" if query else ""), headers, payload)
             stage = "ReadTimeout"
-            answer = connection.getresponse()
-            response = Response(method, target, endpoint.host, answer.status, answer.reason, answer.read())
+            answer = connection.receive(method)
         except TimeoutError as err:
             self.close()
             raise AgentUnreachable(
                 f"the agent at {self.base_url} did not answer {method} {path} in time ({stage})"
             ) from err
-        except (OSError, http.client.HTTPException) as err:
+        except (OSError, ProtocolError) as err:
             self.close()
             raise self._unreachable(str(err) or type(err).__name__) from err
+        response = Response(method, target, endpoint.host, answer.status, answer.reason, answer.body)
         if response.is_error:
             raise error_from_response(response)
         return response
 
     def _endpoint(self) -> Endpoint:
-        url = urlsplit(self.base_url)
-        if not url.scheme:
-            raise self._unreachable("Request URL is missing an 'http://' or 'https://' protocol.")
-        if url.scheme not in ("http", "https"):
-            raise self._unreachable(f"Request URL has an unsupported protocol '{url.scheme}://'.")
         try:
-            port = url.port
+            return parse_url(self.base_url)
         except ValueError as err:
-            raise self._unreachable(f"the URL's port is not valid ({err})") from None
-        if not url.hostname:
-            raise self._unreachable("the URL names no host")
-        return Endpoint(url.scheme == "https", url.hostname, port, url.path.rstrip("/"))
+            raise self._unreachable(str(err)) from None
 
-    def _connected(self, endpoint: Endpoint) -> http.client.HTTPConnection:
-        """The open connection, or a new one when there is none or the agent has closed it: an idle
-        keep-alive connection that is readable holds only the agent's end of file (uvicorn closes
-        idle ones after 5 s, which ``slots start --wait`` can outlast)."""
-        connection = self._connection
-        if connection is not None and connection.sock is not None:
-            readable, _, _ = select.select([connection.sock], [], [], 0)
-            if readable:
-                self.close()
-                connection = None
-        if connection is None:
-            kind = http.client.HTTPSConnection if endpoint.https else http.client.HTTPConnection
-            connection = kind(endpoint.host, endpoint.port, timeout=self.timeout)
-            self._connection = connection
-        if connection.sock is None:
-            connection.connect()
-        return connection
+    def _connection_to(self, endpoint: Endpoint) -> Connection:
+        if self._connection is None:
+            self._connection = Connection(endpoint, self.timeout)
+        return self._connection
 
     def _unreachable(self, reason: str) -> AgentUnreachable:
         return AgentUnreachable(

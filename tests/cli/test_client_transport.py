@@ -1,4 +1,4 @@
-"""The CLI client's own HTTP handling (http.client underneath) against a scripted loopback server:
+"""The CLI client's own HTTP (cli/transport.py) against a scripted loopback server: framing,
 connection reuse, an agent that closed an idle connection, timeouts, answers that are not the API's,
 URLs that cannot work. The API itself is tested through the real server in test_cli_client."""
 
@@ -166,3 +166,70 @@ def test_urls_that_cannot_work_say_so(url: str, reason: str) -> None:
     with AgentClient(url, TOKEN) as client, pytest.raises(AgentUnreachable) as raised:
         client.list_slots()
     assert str(raised.value).startswith(f"cannot reach the agent at {url}: {reason}")
+
+
+def chunked(body: bytes) -> bytes:
+    half = len(body) // 2
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{half:x};ext=1\r\n".encode() + body[:half] + b"\r\n"
+        + f"{len(body) - half:X}\r\n".encode() + body[half:] + b"\r\n"
+        + b"0\r\nX-Trailer: ignored\r\n\r\n"
+    )  # fmt: skip
+
+
+EARLY_HINTS = b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+CLOSING = http_answer(SLOTS).replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1)
+HTTP_1_0 = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("reply", "agent_hangs_up", "connections"),
+    [
+        pytest.param(chunked(SLOTS), False, 1, id="chunked"),
+        pytest.param(EARLY_HINTS + http_answer(SLOTS), False, 1, id="1xx-first"),
+        pytest.param(CLOSING, False, 2, id="connection-close"),  # the client must hang up itself
+        pytest.param(HTTP_1_0 + SLOTS, True, 2, id="http-1.0-until-the-end"),
+    ],
+)
+def test_answer_framings(
+    scripted: Callable[..., ScriptedAgent], reply: bytes, agent_hangs_up: bool, connections: int
+) -> None:
+    agent = scripted(lambda line: reply, close_after_answer=agent_hangs_up)
+    with AgentClient(agent.url, TOKEN) as client:
+        assert [client.list_slots(), client.list_slots()] == [[{"id": "s1", "name": "a"}]] * 2
+    assert agent.connections == connections
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + SLOTS[:10],
+            "the connection was closed 10 bytes into a 100-byte answer",
+            id="cut-short",
+        ),
+        pytest.param(
+            b"SSH-2.0-OpenSSH_9.2\r\n", "does not start with an HTTP/1.x status line", id="not-http"
+        ),
+        pytest.param(b"", "the connection was closed before an answer came", id="hung-up"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "malformed chunk size",
+            id="bad-chunk",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\n{}",
+            "unusable Content-Length",
+            id="two-lengths",
+        ),
+    ],
+)
+def test_answers_that_are_not_http_make_the_agent_unreachable(
+    scripted: Callable[..., ScriptedAgent], reply: bytes, reason: str
+) -> None:
+    agent = scripted(lambda line: reply, close_after_answer=True)
+    with AgentClient(agent.url, TOKEN) as client, pytest.raises(AgentUnreachable) as raised:
+        client.list_slots()
+    assert str(raised.value).startswith(f"cannot reach the agent at {agent.url}: ")
+    assert reason in str(raised.value)
