@@ -34,6 +34,7 @@ from nodeagent.cgroups import CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError, translate_os_error
+from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
@@ -137,7 +138,9 @@ def build_kernel(config: AgentConfig, topology: Topology) -> SlotKernel:
             cidr=iso.network_cidr, netns_prefix=iso.netns_prefix, veth_prefix=iso.veth_prefix
         ),
     )
-    return IsolatorKernel(SlotIsolator(host, isolation), topology, pids_max=iso.pids_max)
+    # The isolator takes its CPU layout from the topology discovered at start-up: sysfs is read once.
+    isolator = SlotIsolator(host, isolation, layout=CpuLayout.of(topology))
+    return IsolatorKernel(isolator, topology, pids_max=iso.pids_max)
 
 
 class SlotStats:
