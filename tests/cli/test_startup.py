@@ -44,18 +44,19 @@ DAEMON_SIDE = (
     "nodeagent.runtime",
 )
 
-# Runs the console script's entry point and writes the loaded modules' names when the process exits.
+# Runs the console script's entry point; when the process exits, writes the names of the loaded
+# modules and how many objects the interpreter's last garbage collection will skip.
 SCRIPT = """
-import atexit, json, sys
+import atexit, gc, json, sys
 out, args = sys.argv[1], json.loads(sys.argv[2])
-atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+atexit.register(lambda: open(out, "w").write(json.dumps([sorted(sys.modules), gc.get_freeze_count()])))
 sys.argv = ["nodeagent", *args]
 from nodeagent.cli import main
 main()
 """
 
 
-def loaded_by(tmp_path: Path, *args: str) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+def run_main(tmp_path: Path, *args: str) -> tuple[set[str], int, subprocess.CompletedProcess[str]]:
     listing = tmp_path / "modules.json"
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(listing), json.dumps(args)],
@@ -64,7 +65,13 @@ def loaded_by(tmp_path: Path, *args: str) -> tuple[set[str], subprocess.Complete
         timeout=60,
         check=False,
     )
-    return set(json.loads(listing.read_text())), done
+    modules, frozen = json.loads(listing.read_text())
+    return set(modules), frozen, done
+
+
+def loaded_by(tmp_path: Path, *args: str) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    modules, _, done = run_main(tmp_path, *args)
+    return modules, done
 
 
 def daemon_side(modules: set[str]) -> list[str]:
@@ -98,6 +105,12 @@ def test_slots_list_imports_nothing_of_the_daemon(tmp_path: Path, agent: Agent, 
     assert subcommand_modules(modules) == ["nodeagent.cli.cmd_slots"]
     assert "nodeagent.cli.client" in modules
     assert daemon_side(modules) == []
+
+
+def test_the_last_garbage_collection_skips_what_the_command_loaded(tmp_path: Path) -> None:
+    _, frozen, done = run_main(tmp_path, "--version")
+    assert done.returncode == 0, done.stderr
+    assert frozen > 1000  # without the freeze: 0
 
 
 def test_every_command_module_is_in_the_table() -> None:
