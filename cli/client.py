@@ -42,7 +42,6 @@ from nodeagent.errors import (
     Unsupported,
     WorkerError,
 )
-from nodeagent.schema.request import NAME_PATTERN
 
 API_ENV = "NODEAGENT_API"
 TOKEN_FILE_ENV = "NODEAGENT_TOKEN_FILE"  # noqa: S105 - the name of a variable, not a secret
@@ -259,6 +258,9 @@ class AgentClient:
 
 def _slot_path(slot_id: str, *rest: str) -> str:
     # Checked here as well as by the server: an id with '/' would otherwise address another path.
+    # The schema is imported here, not at the top: `slots list` names no slot and need not load it.
+    from nodeagent.schema.request import NAME_PATTERN  # noqa: PLC0415
+
     if NAME_PATTERN.fullmatch(slot_id) is None:
         raise InvalidRequest(
             f"{slot_id!r} is not a slot id or name; they are 1-63 characters of a-z, 0-9, '.', '_' or '-' "

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from nodeagent.cli.cmd_slots import api_options, client_from
-from nodeagent.schema.request import format_quantity_short
+from nodeagent.quantity import format_quantity_short
 
 _KINDS = ("total", "reserved", "allocatable", "allocated", "free")
 

@@ -19,7 +19,7 @@ import click
 
 from nodeagent.cli.client import API_ENV, TOKEN_FILE_ENV, AgentClient
 from nodeagent.errors import InvalidRequest, WorkerError
-from nodeagent.schema.request import format_quantity
+from nodeagent.quantity import format_quantity
 
 F = TypeVar("F", bound=Callable[..., Any])
 

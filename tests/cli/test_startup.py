@@ -105,6 +105,7 @@ def test_slots_list_imports_nothing_of_the_daemon(tmp_path: Path, agent: Agent, 
     assert subcommand_modules(modules) == ["nodeagent.cli.cmd_slots"]
     assert "nodeagent.cli.client" in modules
     assert daemon_side(modules) == []
+    assert "nodeagent.schema.request" not in modules  # the request parser: nothing here parses one
 
 
 def test_the_last_garbage_collection_skips_what_the_command_loaded(tmp_path: Path) -> None:
