@@ -1,6 +1,7 @@
 """How long an operator waits for the ``nodeagent`` command, next to a bare interpreter.
 
-Run as root on a host with writable cgroups: ``python bench/cli.py [--runs 30] [--slots 50]``.
+Run as root on a host with writable cgroups:
+``python bench/cli.py [--runs 30] [--slots 50] [--other PATH]``.
 
 Starts a real ``nodeagent serve`` (tests/daemon.py's runner: a tmp state directory, a free loopback
 port, a test cgroup parent "natest<pid>cli.slice"), allocates ``--slots`` real burstable slots (0.01 CPU,
@@ -19,6 +20,10 @@ machine spreads over all of them. Prints median and p90 wall time per command, t
 multiple of the bare interpreter's, and, from one more run with ``PYTHONPROFILEIMPORTTIME``, how many
 modules the command imported and what their imports cost. The slots are released, the daemon
 stopped, and its cgroups and the bytecode cache removed at the end.
+
+``--other PATH`` times a second install's ``nodeagent`` script (e.g. one built from an older commit
+into its own virtual environment) in the same rounds, against the same agent: before and after,
+side by side, under the same load.
 """
 
 from __future__ import annotations
@@ -111,6 +116,15 @@ def import_profile(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, fl
     return modules, total_us / 1000
 
 
+def timed(nodeagent: list[str], api: list[str], label: str = "") -> dict[str, list[str]]:
+    """The commands timed for one install of nodeagent, by name."""
+    return {
+        f"{label}nodeagent --version": [*nodeagent, "--version"],
+        f"{label}nodeagent slots list": [*nodeagent, "slots", *api, "list"],
+        f"{label}nodeagent slots list --json": [*nodeagent, "slots", *api, "list", "--json"],
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -161,6 +175,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30, help="timed runs per command")
     parser.add_argument("--slots", type=int, default=50, help="slots the agent holds while timed")
+    parser.add_argument("--other", type=Path, help="another install's nodeagent script, timed alongside")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the bench allocates real slots (cgroups)")
@@ -172,12 +187,9 @@ def main() -> None:
             ids = allocate_slots(client, args.slots)
             nodeagent = nodeagent_argv()
             api = ["--api", daemon.url, "--token-file", str(daemon.token_file)]
-            commands = {
-                "python -c pass": [sys.executable, "-c", "pass"],
-                "nodeagent --version": [*nodeagent, "--version"],
-                "nodeagent slots list": [*nodeagent, "slots", *api, "list"],
-                "nodeagent slots list --json": [*nodeagent, "slots", *api, "list", "--json"],
-            }
+            commands = {"python -c pass": [sys.executable, "-c", "pass"], **timed(nodeagent, api)}
+            if args.other:
+                commands |= timed([str(args.other)], api, label="other: ")
             listed = subprocess.run(
                 commands["nodeagent slots list"], capture_output=True, text=True, check=True
             )

@@ -3,8 +3,8 @@
 Each subcommand lives in its own module ``nodeagent.cli.cmd_<name>`` exposing ``command`` (a click
 command or group). This module holds only the table of them and imports one when it runs, never all
 of them: `nodeagent --version` and `nodeagent slots list` are what operators type and scripts call
-in loops, and importing every command (placement, discovery, the daemon's configuration) took about
-four times as long as the rest of the command. ``nodeagent --help`` lists the commands from the table,
+in loops, and importing every command (placement, discovery, the daemon's configuration) was most
+of their run time (docs/benchmarks.md, CLI). ``nodeagent --help`` lists the commands from the table,
 whose short help texts tests/cli checks against the commands themselves.
 
 The project's errors become one line on stderr with exit status 1.
