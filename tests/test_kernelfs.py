@@ -38,7 +38,7 @@ def root(tmp_path: Path) -> Path:
 
 def test_default_roots_are_the_kernels() -> None:
     assert (Sysfs().root, Procfs().root) == (Path("/sys"), Path("/proc"))
-    assert repr(Sysfs(Path("/tmp/x"))) == "Sysfs('/tmp/x')"
+    assert repr(Sysfs(Path("/captured/sys"))) == "Sysfs('/captured/sys')"
 
 
 def test_the_real_procfs_reads_like_a_fake_one() -> None:
