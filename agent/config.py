@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import ipaddress
 import math
-import os
 import socket
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -26,14 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.cpulist import parse_cpulist
+from nodeagent.defaults import DEFAULT_LISTEN, TOKEN_FILE_NAME, default_state_dir
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
-DEFAULT_LISTEN = "127.0.0.1:7070"
-ROOT_STATE_DIR = Path("/var/lib/nodeagent")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -152,7 +150,7 @@ class AgentConfig:
 
     @property
     def token_path(self) -> Path:
-        return Path(self.api.token_file) if self.api.token_file else self.state_dir / "token"
+        return Path(self.api.token_file) if self.api.token_file else self.state_dir / TOKEN_FILE_NAME
 
     @property
     def database_path(self) -> Path:
@@ -185,22 +183,6 @@ _SECTIONS: dict[str, type[Any]] = {
     "workers": WorkersConfig,
     "log": LogConfig,
 }
-
-
-# =========================================================================== defaults that depend on the host
-
-
-def default_state_dir(env: Mapping[str, str] | None = None, euid: int | None = None) -> Path:
-    """/var/lib/nodeagent for root; the user's XDG state directory otherwise."""
-    environ = os.environ if env is None else env
-    uid = os.geteuid() if euid is None else euid
-    if uid == 0:
-        return ROOT_STATE_DIR
-    xdg = environ.get("XDG_STATE_HOME", "")
-    if xdg and Path(xdg).is_absolute():
-        return Path(xdg) / "nodeagent"
-    home = environ.get("HOME") or str(Path.home())
-    return Path(home) / ".local" / "state" / "nodeagent"
 
 
 # =========================================================================== value checks

@@ -37,6 +37,7 @@ from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
+from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.host import HostReport, validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
@@ -192,7 +193,8 @@ def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -
         qos=QosDefaults(pids_max=iso.pids_max),
         allow_unfiltered_network=iso.allow_unfiltered_network,
     )
-    return KernelIsolation(SlotIsolator(host, isolation))
+    # The isolator takes its CPU layout from the topology discovered at start-up: sysfs is read once.
+    return KernelIsolation(SlotIsolator(host, isolation, layout=CpuLayout.of(topology)))
 
 
 class SlotStats:

@@ -12,25 +12,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.detect import CgroupHost, detect
 from nodeagent.devices.gpu import discover_gpus
 from nodeagent.devices.pci import discover_fpgas, list_pci_devices
 from nodeagent.devices.topology import Fpga, Gpu
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import DiscoveryError, NodeAgentError
 from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
 from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
+from nodeagent.kernelfs import Procfs, Sysfs
 
 Status = Literal["OK", "WARN", "FAIL"]
 REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")
 NVIDIA_VENDOR = "0x10de"
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+NODE_DIR = "devices/system/node"
+_NODE_NAME = re.compile(r"node\d+")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,14 @@ class HostRoots:
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
+
+    @property
+    def procfs(self) -> Procfs:
+        return Procfs(self.proc)
+
+    @property
+    def sysfs(self) -> Sysfs:
+        return Sysfs(self.sys)
 
     @classmethod
     def under(cls, base: Path, **kwargs: object) -> HostRoots:
@@ -158,19 +171,23 @@ def check_cpuset(host: CgroupHost) -> Check:
         return Check("cpuset", "FAIL", "no cpuset controller", "enable the cpuset controller")
     if host.mode in ("v1", "hybrid"):
         directory = host.v1_mounts["cpuset"]
-        cpus_file, prefix = directory / "cpuset.cpus", "cpuset."
+        cpus_name, prefix = "cpuset.cpus", "cpuset."
     else:
         assert host.v2_mount is not None
         directory = host.v2_mount
-        cpus_file, prefix = directory / "cpuset.cpus.effective", ""
-    cpus = _read(cpus_file)
+        cpus_name, prefix = "cpuset.cpus.effective", ""
+    cpus = cgroupfs.read_optional(directory, cpus_name)
     if cpus is None or not cpus.strip():
-        return Check("cpuset", "FAIL", f"{cpus_file} is missing or empty", "mount the cpuset controller")
+        return Check(
+            "cpuset", "FAIL", f"{directory / cpus_name} is missing or empty", "mount the cpuset controller"
+        )
     if not os.access(directory, os.W_OK):
         return Check(
             "cpuset", "FAIL", f"{directory} is not writable", "run as root or on a delegated subtree"
         )
-    exclusive = " (cpuset.cpu_exclusive available)" if (directory / f"{prefix}cpu_exclusive").exists() else ""
+    exclusive = (
+        " (cpuset.cpu_exclusive available)" if cgroupfs.exists(directory, f"{prefix}cpu_exclusive") else ""
+    )
     return Check("cpuset", "OK", f"writable at {directory}, CPUs {cpus.strip()}{exclusive}")
 
 
@@ -204,15 +221,15 @@ def check_device_filter(roots: HostRoots, host: CgroupHost) -> Check:
 
 
 def _bpf_refusal(roots: HostRoots) -> str | None:
-    disabled = _read(roots.proc / "sys/kernel/unprivileged_bpf_disabled")
-    if roots.euid != 0 and disabled is not None and disabled.strip() != "0":
+    disabled = roots.procfs.read_text("sys/kernel/unprivileged_bpf_disabled")
+    if roots.euid != 0 and disabled is not None and disabled != "0":
         return "not root and kernel.unprivileged_bpf_disabled is set"
     return roots.bpf_probe()
 
 
 def check_network_namespaces(roots: HostRoots) -> Check:
     name = "network namespaces"
-    if not (roots.proc / "self/ns/net").exists():
+    if not roots.procfs.exists("self/ns/net"):
         return Check(name, "WARN", "no /proc/self/ns/net", "use a kernel with CONFIG_NET_NS")
     caps = _effective_caps(roots)
     lacking = [
@@ -249,7 +266,7 @@ def check_network_firewall(roots: HostRoots) -> Check:
 
 
 def _effective_caps(roots: HostRoots) -> int:
-    for line in (_read(roots.proc / "self/status") or "").splitlines():
+    for line in (roots.procfs.read_text("self/status") or "").splitlines():
         key, _, value = line.partition(":")
         if key == "CapEff":
             return int(value.strip(), 16)
@@ -348,7 +365,7 @@ def check_resctrl(roots: HostRoots) -> Check:
 
 
 def check_psi(roots: HostRoots) -> Check:
-    if _read(roots.proc / "pressure/cpu") is None:
+    if roots.procfs.read_text("pressure/cpu") is None:
         return Check(
             "PSI",
             "WARN",
@@ -359,10 +376,10 @@ def check_psi(roots: HostRoots) -> Check:
 
 
 def check_isolcpus(roots: HostRoots) -> Check:
-    isolated = _read(roots.sys / "devices/system/cpu/isolated")
+    isolated = roots.sysfs.read_text("devices/system/cpu/isolated")
     if isolated is None:
         return Check("isolcpus", "WARN", "cannot read /sys/devices/system/cpu/isolated")
-    if not isolated.strip():
+    if not isolated:
         return Check(
             "isolcpus",
             "OK",
@@ -372,21 +389,21 @@ def check_isolcpus(roots: HostRoots) -> Check:
     return Check(
         "isolcpus",
         "OK",
-        f"isolated CPUs {isolated.strip()}",
+        f"isolated CPUs {isolated}",
         "the scheduler does not balance load on them: keep them for exclusive slots, out of the shared pool",
     )
 
 
 def check_numa_balancing(roots: HostRoots) -> Check:
-    value = _read(roots.proc / "sys/kernel/numa_balancing")
+    value = roots.procfs.read_text("sys/kernel/numa_balancing")
     if value is None:
         return Check("NUMA balancing", "OK", "not present (single NUMA node or kernel without it)")
-    if value.strip() == "0":
+    if value == "0":
         return Check("NUMA balancing", "OK", "off")
     return Check(
         "NUMA balancing",
         "WARN",
-        f"on (kernel.numa_balancing = {value.strip()}): automatic NUMA balancing can migrate memory "
+        f"on (kernel.numa_balancing = {value}): automatic NUMA balancing can migrate memory "
         "of pinned workers",
         "sysctl -w kernel.numa_balancing=0",
     )
@@ -410,7 +427,7 @@ def check_unmovable(roots: HostRoots) -> Check:
         parts.append("managed interrupts unknown (mount debugfs to list them)")
     elif managed:
         parts.append("managed interrupts stay where the kernel put them: " + ", ".join(managed[:8]))
-    nohz = (_read(roots.sys / "devices/system/cpu/nohz_full") or "").strip()
+    nohz = (roots.sysfs.read_text("devices/system/cpu/nohz_full") or "").strip()
     hint = ""
     if nohz and nohz != "(null)":
         parts.append(f"nohz_full CPUs {nohz}")
@@ -437,12 +454,12 @@ def check_unmovable(roots: HostRoots) -> Check:
 
 def _per_cpu_kthreads(proc: Path) -> set[str]:
     found: set[str] = set()
-    try:
-        entries = [e for e in os.listdir(proc) if e.isdigit()]
-    except OSError:
-        return found
-    for pid in entries:
-        text = _read(proc / pid / "stat")
+    procfs = Procfs(proc)
+    for pid in (e for e in procfs.listdir() or [] if e.isdigit()):
+        try:
+            text = procfs.read_text(f"{pid}/stat")
+        except DiscoveryError:
+            continue  # it went away between the listing and the read
         if text is None:
             continue
         comm, fields = parse_stat(text)
@@ -457,10 +474,10 @@ def _managed_irqs(roots: HostRoots) -> list[str] | None:
     debug = roots.sys / "kernel/debug/irq/irqs"
     if not debug.is_dir():
         return None
-    names = interrupt_names(_read(roots.proc / "interrupts") or "")
+    names = interrupt_names(roots.procfs.read_text("interrupts") or "")
     managed = []
     for entry in sorted(debug.iterdir(), key=lambda p: (len(p.name), p.name)):
-        if "IRQD_AFFINITY_MANAGED" in (_read(entry) or ""):
+        if "IRQD_AFFINITY_MANAGED" in (roots.sysfs.read_text(f"kernel/debug/irq/irqs/{entry.name}") or ""):
             label = names.get(entry.name)
             managed.append(f"{entry.name} ({label})" if label else entry.name)
     return managed
@@ -559,12 +576,12 @@ def _meminfo_kib(text: str | None, key: str) -> int | None:
 
 def check_numa_memory(roots: HostRoots) -> Check:
     """Placement accounts memory per NUMA node, so the nodes must add up to what the host has."""
-    host_kib = _meminfo_kib(_read(roots.proc / "meminfo"), "MemTotal")
-    node_dir = roots.sys / "devices/system/node"
-    nodes = sorted(node_dir.glob("node[0-9]*")) if node_dir.is_dir() else []
+    host_kib = _meminfo_kib(roots.procfs.read_text("meminfo"), "MemTotal")
+    sysfs = roots.sysfs
+    nodes = [n for n in sysfs.listdir(NODE_DIR) or [] if _NODE_NAME.fullmatch(n)]
     if host_kib is None or not nodes:
         return Check("NUMA memory", "OK", "no NUMA node information; memory is accounted host-wide")
-    node_kib = [_meminfo_kib(_read(n / "meminfo"), "MemTotal") for n in nodes]
+    node_kib = [_meminfo_kib(sysfs.read_text(f"{NODE_DIR}/{n}/meminfo"), "MemTotal") for n in nodes]
     if any(k is None for k in node_kib):
         return Check(
             "NUMA memory", "WARN", "a NUMA node's meminfo is unreadable; its memory counts as unknown"
@@ -583,7 +600,7 @@ def check_numa_memory(roots: HostRoots) -> Check:
 
 
 def check_swap(roots: HostRoots) -> Check:
-    text = _read(roots.proc / "swaps")
+    text = roots.procfs.read_text("swaps")
     if text is None:
         return Check("swap", "WARN", "cannot read /proc/swaps")
     devices = [line.split() for line in text.splitlines()[1:] if line.strip()]
@@ -673,10 +690,3 @@ def to_table(checks: Sequence[Check]) -> str:
 def _names(items: object) -> str:
     names = sorted(items) if isinstance(items, (set, frozenset, dict, list, tuple)) else []
     return ", ".join(str(n) for n in names) or "none"
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
 
 from nodeagent.devices.cpu import discover_cpu_topology
-from nodeagent.devices.sysfs import Sysfs
+from nodeagent.kernelfs import Sysfs
 from tests.devices.sysfs_trees import large_384
 from tests.trees import write_tree
 

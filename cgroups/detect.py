@@ -1,8 +1,9 @@
 """Which cgroup filesystems this host has (v2 unified, v1, or hybrid) and what we may do with them.
 
 Reads ``/proc/self/mountinfo``, ``/proc/cgroups`` and ``/proc/self/cgroup`` under an injectable proc
-root, plus ``cgroup.controllers`` of the v2 mount under an injectable filesystem root, so tests run
-on fake trees. The parsers are pure functions over text.
+root (:class:`~nodeagent.kernelfs.Procfs`), plus ``cgroup.controllers`` of the v2 mount under an
+injectable filesystem root (through :mod:`nodeagent.cgroups.fs`), so tests run on fake trees. The
+parsers are pure functions over text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from nodeagent.errors import CgroupError, translate_os_error
+from nodeagent.cgroups import fs
+from nodeagent.errors import CgroupError, DiscoveryError
+from nodeagent.kernelfs import Procfs
 
 Mode = Literal["v1", "v2", "hybrid", "none"]
 
@@ -110,21 +113,22 @@ def parse_own_v2_cgroup(text: str) -> str | None:
     return None
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as err:
-        raise translate_os_error(f"reading {path} to detect cgroups", err, CgroupError) from err
-
-
 def _under(fs_root: Path, mount_point: str) -> Path:
     return fs_root / mount_point.lstrip("/")
 
 
 def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> CgroupHost:
     """Detect the host's cgroup mode, mounts, usable controllers and write access."""
-    mounts = parse_mountinfo(_read(proc_root / "self" / "mountinfo"))
-    enabled = parse_proc_cgroups(_read(proc_root / "cgroups")) if (proc_root / "cgroups").exists() else None
+    procfs = Procfs(proc_root)
+    mountinfo = procfs.read_text("self/mountinfo")
+    if mountinfo is None:
+        raise DiscoveryError(
+            f"{procfs.path('self/mountinfo')} does not exist, so the cgroup mounts cannot be read; "
+            f"mount procfs on {proc_root}"
+        )
+    mounts = parse_mountinfo(mountinfo)
+    proc_cgroups = procfs.read_text("cgroups")
+    enabled = None if proc_cgroups is None else parse_proc_cgroups(proc_cgroups)
     v1_mounts: dict[str, Path] = {}
     v2_mount: Path | None = None
     for mount in mounts:
@@ -135,8 +139,8 @@ def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> Cgroup
             if controller in mount.super_options and (enabled is None or controller in enabled):
                 v1_mounts.setdefault(controller, _under(fs_root, mount.mount_point))
     v2_controllers: frozenset[str] = frozenset()
-    if v2_mount is not None and (v2_mount / "cgroup.controllers").exists():
-        v2_controllers = frozenset(_read(v2_mount / "cgroup.controllers").split())
+    if v2_mount is not None:
+        v2_controllers = frozenset((fs.read_optional(v2_mount, "cgroup.controllers") or "").split())
     mode: Mode
     if v1_mounts and v2_mount is not None:
         mode = "hybrid"
@@ -146,9 +150,8 @@ def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> Cgroup
         mode = "v2"
     else:
         mode = "none"
-    own_v2 = None
-    if (proc_root / "self" / "cgroup").exists():
-        own_v2 = parse_own_v2_cgroup(_read(proc_root / "self" / "cgroup"))
+    own_cgroups = procfs.read_text("self/cgroup")
+    own_v2 = None if own_cgroups is None else parse_own_v2_cgroup(own_cgroups)
     can_write, delegated = _access(mode, v1_mounts, v2_mount, own_v2)
     controllers = frozenset(v1_mounts) if mode in ("v1", "hybrid") else v2_controllers
     return CgroupHost(

@@ -36,9 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.devices.sysfs import Sysfs
 from nodeagent.devices.topology import Cpu, NumaNode
 from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import KernelFs, Procfs, Sysfs
 
 CPU_DIR = "devices/system/cpu"
 NODE_DIR = "devices/system/node"
@@ -279,7 +279,7 @@ def _numa_nodes(
     for c in cpus:
         members.setdefault(c.numa, []).append(c.id)
     if not node_cpus:
-        memory = _meminfo_total(Sysfs(proc_root), "meminfo")
+        memory = _meminfo_total(Procfs(proc_root), "meminfo")
         return (NumaNode(id=0, cpus=tuple(members.get(0, ())), memory_bytes=memory, distances=None),)
     count = len(node_cpus)
     nodes = []
@@ -311,7 +311,7 @@ def _distances(sysfs: Sysfs, node: int) -> tuple[int, ...] | None:
         ) from None
 
 
-def _meminfo_total(reader: Sysfs, rel: str) -> int | None:
+def _meminfo_total(reader: KernelFs, rel: str) -> int | None:
     """MemTotal in bytes from a node's meminfo ("Node 0 MemTotal: 123 kB") or /proc/meminfo."""
     text = reader.read_text(rel)
     if text is None:
@@ -333,7 +333,7 @@ def _total_memory(nodes: tuple[NumaNode, ...], proc_root: Path) -> int | None:
     sizes = [n.memory_bytes for n in nodes]
     if sizes and all(s is not None for s in sizes):
         return sum(s for s in sizes if s is not None)
-    return _meminfo_total(Sysfs(proc_root), "meminfo")
+    return _meminfo_total(Procfs(proc_root), "meminfo")
 
 
 # --------------------------------------------------------------------------- CPU model

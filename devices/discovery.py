@@ -8,8 +8,8 @@ from pathlib import Path
 from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.devices.gpu import discover_gpus
 from nodeagent.devices.pci import discover_fpgas
-from nodeagent.devices.sysfs import Sysfs
 from nodeagent.devices.topology import Topology
+from nodeagent.kernelfs import Sysfs
 
 
 def discover(

@@ -23,6 +23,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from nodeagent.devices.topology import Gpu, MigInstance, MigState
 from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import Procfs, Sysfs
 
 GpuStatus = Literal["ok", "no_driver", "no_gpus", "error"]
 EventKind = Literal["watching", "unwatched", "xid", "ecc_dbe", "ecc_sbe", "lost", "other"]
@@ -147,10 +148,16 @@ def _inventory(backend: GpuBackend, sysfs_root: Path, proc_root: Path) -> GpuInv
 
 
 def _complete(r: GpuReading, sysfs_root: Path, proc_root: Path, problems: list[str]) -> Gpu | None:
+    # What NVML does not say comes from sysfs and /proc; a kernel file there that cannot be read
+    # costs this GPU that detail (a line in problems), not the whole inventory.
     bus_id = r.pci_bus_id
     if bus_id is None:
         # NVML numbers GPUs in PCI bus order, so the index still names the card in sysfs.
-        nvidia = nvidia_gpus_in_sysfs(sysfs_root)
+        try:
+            nvidia = nvidia_gpus_in_sysfs(sysfs_root)
+        except DiscoveryError as err:
+            problems.append(f"GPU {r.index}: NVML cannot query it and sysfs cannot be listed: {err}")
+            return None
         if r.index >= len(nvidia):
             problems.append(
                 f"GPU {r.index}: NVML cannot query it and sysfs lists only {len(nvidia)} NVIDIA GPUs, "
@@ -158,7 +165,12 @@ def _complete(r: GpuReading, sysfs_root: Path, proc_root: Path, problems: list[s
             )
             return None
         bus_id = nvidia[r.index]
-    numa = r.numa if r.numa is not None else sysfs_numa_node(sysfs_root, bus_id)
+    numa = r.numa
+    if numa is None:
+        try:
+            numa = sysfs_numa_node(sysfs_root, bus_id)
+        except DiscoveryError as err:
+            problems.append(f"GPU {r.index}: its NUMA node is unknown: {err}")
     mig = r.mig
     if mig is not None and r.minor is not None:
         mig = _with_device_nodes(mig, proc_root, r.minor, problems, r.index)
@@ -181,7 +193,11 @@ def _with_device_nodes(
 ) -> MigState:
     instances = []
     for m in mig.instances:
-        nodes = mig_device_nodes(proc_root, minor, m.gpu_instance_id, m.compute_instance_id)
+        try:
+            nodes = mig_device_nodes(proc_root, minor, m.gpu_instance_id, m.compute_instance_id)
+        except DiscoveryError as err:
+            problems.append(f"GPU {index}: MIG instance {m.gpu_instance_id}: {err}")
+            nodes = ()
         if nodes is None:
             problems.append(
                 f"GPU {index}: no MIG capability files for GPU instance {m.gpu_instance_id} under "
@@ -207,39 +223,25 @@ def normalise_pci_bus_id(raw: str | bytes) -> str:
     return f"{int(domain, 16):04x}:{bus}:{device}.{function}"
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return None
-
-
 def sysfs_numa_node(sysfs_root: Path, bus_id: str) -> int | None:
     """The PCI device's NUMA node; None when unknown (-1 means the platform did not say)."""
-    text = _read(sysfs_root / "bus/pci/devices" / bus_id / "numa_node")
-    if text is None or not text.lstrip("-").isdigit():
-        return None
-    node = int(text)
-    return node if node >= 0 else None
+    node = Sysfs(sysfs_root).read_int(f"bus/pci/devices/{bus_id}/numa_node")
+    return node if node is not None and node >= 0 else None
 
 
 def nvidia_gpus_in_sysfs(sysfs_root: Path) -> list[str]:
     """PCI addresses of the NVIDIA display and 3D controllers, in bus order."""
-    devices = sysfs_root / "bus/pci/devices"
-    try:
-        entries = sorted(p.name for p in devices.iterdir())
-    except OSError:
-        return []
+    sysfs = Sysfs(sysfs_root)
     return [
         name
-        for name in entries
-        if _read(devices / name / "vendor") == NVIDIA_VENDOR
-        and (_read(devices / name / "class") or "").startswith(_GPU_CLASSES)
+        for name in sysfs.listdir("bus/pci/devices") or []
+        if sysfs.read_text(f"bus/pci/devices/{name}/vendor") == NVIDIA_VENDOR
+        and (sysfs.read_text(f"bus/pci/devices/{name}/class") or "").startswith(_GPU_CLASSES)
     ]
 
 
-def _cap_minor(path: Path) -> int | None:
-    text = _read(path)
+def _cap_minor(procfs: Procfs, rel: str) -> int | None:
+    text = procfs.read_text(rel)
     if text is None:
         return None
     match = re.search(r"^DeviceFileMinor:\s*(\d+)", text, re.MULTILINE)
@@ -248,9 +250,10 @@ def _cap_minor(path: Path) -> int | None:
 
 def mig_device_nodes(proc_root: Path, gpu_minor: int, gi: int, ci: int | None) -> tuple[str, ...] | None:
     """The /dev/nvidia-caps nodes a process needs to use one MIG instance; None when not exposed."""
-    gi_dir = proc_root / f"driver/nvidia/capabilities/gpu{gpu_minor}/mig/gi{gi}"
-    paths = [gi_dir / "access"] + ([gi_dir / f"ci{ci}" / "access"] if ci is not None else [])
-    minors = [_cap_minor(p) for p in paths]
+    procfs = Procfs(proc_root)
+    gi_dir = f"driver/nvidia/capabilities/gpu{gpu_minor}/mig/gi{gi}"
+    rels = [f"{gi_dir}/access"] + ([f"{gi_dir}/ci{ci}/access"] if ci is not None else [])
+    minors = [_cap_minor(procfs, rel) for rel in rels]
     if any(m is None for m in minors):
         return None
     return tuple(f"/dev/nvidia-caps/nvidia-cap{m}" for m in minors)

@@ -31,7 +31,9 @@ from typing import Literal, NamedTuple
 
 from nodeagent.devices.topology import Fpga, Sriov
 from nodeagent.errors import DiscoveryError, InvalidRequest, NotFound, os_error_message
+from nodeagent.kernelfs import Sysfs
 
+DEVICES_DIR = "bus/pci/devices"
 PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _HEX_ID = re.compile(r"^0x[0-9a-f]+$")
 
@@ -135,45 +137,46 @@ def list_pci_devices(sysfs_root: Path = Path("/sys")) -> tuple[PciDevice, ...]:
     A host without a PCI bus gives (). A function that disappears while being read (hot
     unplug, VFs being disabled) is left out; anything else unreadable raises DiscoveryError.
     """
-    devices_dir = sysfs_root / "bus" / "pci" / "devices"
-    try:
-        names = sorted(os.listdir(devices_dir))
-    except FileNotFoundError:
-        return ()
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"listing PCI devices in {devices_dir}", err)) from err
+    return _list_devices(Sysfs(sysfs_root))
+
+
+def _list_devices(sysfs: Sysfs) -> tuple[PciDevice, ...]:
     out = []
-    for name in names:
+    for name in sysfs.listdir(DEVICES_DIR) or []:
         try:
-            out.append(read_pci_device(name, sysfs_root))
+            out.append(_read_device(sysfs, name))
         except DiscoveryError:
-            if (devices_dir / name).exists():
+            if sysfs.exists(f"{DEVICES_DIR}/{name}"):
                 raise
     return tuple(out)
 
 
 def read_pci_device(bus_id: str, sysfs_root: Path = Path("/sys")) -> PciDevice:
     """Read one PCI function by bus id ("0000:3b:00.1")."""
+    return _read_device(Sysfs(sysfs_root), bus_id)
+
+
+def _read_device(sysfs: Sysfs, bus_id: str) -> PciDevice:
+    d = f"{DEVICES_DIR}/{bus_id}"
     if not PCI_ADDRESS.match(bus_id):
         raise DiscoveryError(
-            f"{sysfs_root / 'bus/pci/devices' / bus_id} is not named like a PCI address "
+            f"{sysfs.path(d)} is not named like a PCI address "
             "(domain:bus:device.function, e.g. 0000:3b:00.1); is the sysfs root right?"
         )
-    d = sysfs_root / "bus" / "pci" / "devices" / bus_id
-    iommu = _link_name(d / "iommu_group")
+    iommu = sysfs.link_name(f"{d}/iommu_group")
     return PciDevice(
         bus_id=bus_id,
-        vendor=_hex_id(d / "vendor"),
-        device=_hex_id(d / "device"),
-        class_code=_hex_id(d / "class"),
-        subsystem_vendor=_optional_hex_id(d / "subsystem_vendor"),
-        subsystem_device=_optional_hex_id(d / "subsystem_device"),
-        numa=_numa_node(d / "numa_node"),
-        driver=_link_name(d / "driver"),
-        iommu_group=None if iommu is None else _parse_int(d / "iommu_group", iommu),
-        sriov=_sriov(d),
-        physfn=_link_name(d / "physfn"),
-        virtfns=_virtfns(d),
+        vendor=_hex_id(sysfs, f"{d}/vendor"),
+        device=_hex_id(sysfs, f"{d}/device"),
+        class_code=_hex_id(sysfs, f"{d}/class"),
+        subsystem_vendor=_optional_hex_id(sysfs, f"{d}/subsystem_vendor"),
+        subsystem_device=_optional_hex_id(sysfs, f"{d}/subsystem_device"),
+        numa=_numa_node(sysfs, f"{d}/numa_node"),
+        driver=sysfs.link_name(f"{d}/driver"),
+        iommu_group=None if iommu is None else _parse_int(sysfs, f"{d}/iommu_group", iommu),
+        sriov=_sriov(sysfs, d),
+        physfn=sysfs.link_name(f"{d}/physfn"),
+        virtfns=_virtfns(sysfs, d),
     )
 
 
@@ -184,15 +187,16 @@ def discover_fpgas(sysfs_root: Path = Path("/sys"), dev_root: Path = Path("/dev"
     ``dev_root`` (e.g. /dev/xclmgmt15104 and /dev/dri/renderD128 for an Alveo card,
     /dev/dfl-fme.0 and /dev/dfl-port.0 for an Intel PAC).
     """
-    devices = list_pci_devices(sysfs_root)
-    class_parents = _fpga_class_parents(sysfs_root)
+    sysfs = Sysfs(sysfs_root)
+    devices = _list_devices(sysfs)
+    class_parents = _fpga_class_parents(sysfs)
     cards: dict[str, list[PciDevice]] = {}
     for dev in devices:
         if dev.is_virtfn:
             continue
         if is_fpga_function(dev.vendor, dev.device, dev.driver) or dev.bus_id in class_parents:
             cards.setdefault(dev.card, []).append(dev)
-    return tuple(_fpga(card, funcs, sysfs_root, dev_root) for card, funcs in sorted(cards.items()))
+    return tuple(_fpga(card, funcs, sysfs, dev_root) for card, funcs in sorted(cards.items()))
 
 
 def device_nodes_of(
@@ -203,8 +207,12 @@ def device_nodes_of(
     Found from the function's sysfs children that carry a ``dev`` file (major:minor), named by
     the ``DEVNAME`` of their ``uevent``. Child PCI functions (behind a bridge) are not included.
     """
-    function_dir = sysfs_root / "bus" / "pci" / "devices" / bus_id
-    found = {str(dev_root / name) for name in _devnames_below(function_dir, _NODE_SEARCH_DEPTH)}
+    return _device_nodes(Sysfs(sysfs_root), bus_id, dev_root)
+
+
+def _device_nodes(sysfs: Sysfs, bus_id: str, dev_root: Path) -> tuple[str, ...]:
+    names = _devnames_below(sysfs, f"{DEVICES_DIR}/{bus_id}", _NODE_SEARCH_DEPTH)
+    found = {str(dev_root / name) for name in names}
     return tuple(sorted(p for p in found if os.path.exists(p)))
 
 
@@ -228,9 +236,9 @@ def device_node_info(path: str | Path) -> DeviceNumber:
 # --------------------------------------------------------------------------- helpers
 
 
-def _fpga(card: str, funcs: list[PciDevice], sysfs_root: Path, dev_root: Path) -> Fpga:
+def _fpga(card: str, funcs: list[PciDevice], sysfs: Sysfs, dev_root: Path) -> Fpga:
     primary = funcs[0]
-    nodes = sorted({n for f in funcs for n in device_nodes_of(f.bus_id, sysfs_root, dev_root)})
+    nodes = sorted({n for f in funcs for n in _device_nodes(sysfs, f.bus_id, dev_root)})
     drivers = [f.driver for f in funcs if f.driver is not None]
     return Fpga(
         id=card,
@@ -244,133 +252,98 @@ def _fpga(card: str, funcs: list[PciDevice], sysfs_root: Path, dev_root: Path) -
     )
 
 
-def _fpga_class_parents(sysfs_root: Path) -> frozenset[str]:
+def _fpga_class_parents(sysfs: Sysfs) -> frozenset[str]:
     """PCI parents of fpga_manager and fpga_region class devices (SoC FPGAs have none)."""
     parents: set[str] = set()
     for cls in _FPGA_CLASSES:
-        class_dir = sysfs_root / "class" / cls
-        try:
-            names = os.listdir(class_dir)
-        except FileNotFoundError:
-            continue
-        except OSError as err:
-            raise DiscoveryError(os_error_message(f"listing {class_dir}", err)) from err
-        for name in names:
-            parent = pci_parent(os.path.realpath(class_dir / name))
+        for name in sysfs.listdir(f"class/{cls}") or []:
+            parent = pci_parent(sysfs.real_path(f"class/{cls}/{name}"))
             if parent is not None:
                 parents.add(parent)
     return frozenset(parents)
 
 
-def _devnames_below(directory: Path, depth: int) -> Iterator[str]:
-    try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
-        return  # removed while we walked: it has no nodes any more
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"listing {directory}", err)) from err
-    for entry in entries:
-        # Symlinks lead back up the tree (subsystem, driver, physfn); child PCI functions are
-        # other devices with their own entry.
-        if not entry.is_dir(follow_symlinks=False) or PCI_ADDRESS.match(entry.name):
+def _devnames_below(sysfs: Sysfs, directory: str, depth: int) -> Iterator[str]:
+    # A directory removed while we walk (absent: None) has no nodes any more. Child PCI functions
+    # are other devices with their own entry.
+    for name in sysfs.subdirs(directory) or []:
+        if PCI_ADDRESS.match(name):
             continue
-        child = Path(entry.path)
-        if (child / "dev").is_file():
-            yield _devname(child)
+        child = f"{directory}/{name}"
+        if sysfs.is_file(f"{child}/dev"):
+            yield _devname(sysfs, child)
         if depth > 1:
-            yield from _devnames_below(child, depth - 1)
+            yield from _devnames_below(sysfs, child, depth - 1)
 
 
-def _devname(device_dir: Path) -> str:
-    uevent = _read_optional(device_dir / "uevent") or ""
+def _devname(sysfs: Sysfs, device_dir: str) -> str:
+    uevent = sysfs.read_text(f"{device_dir}/uevent") or ""
     for line in uevent.splitlines():
         key, _, value = line.partition("=")
         if key == "DEVNAME" and value:
             return value
-    return device_dir.name
+    return device_dir.rpartition("/")[2]
 
 
-def _read_optional(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"reading {path}", err)) from err
-    except UnicodeDecodeError as err:
-        raise DiscoveryError(f"reading {path}: not text ({err}); is the sysfs root right?") from err
-
-
-def _read(path: Path) -> str:
-    text = _read_optional(path)
+def _required(sysfs: Sysfs, rel: str) -> str:
+    text = sysfs.read_text(rel)
     if text is None:
         raise DiscoveryError(
-            f"reading {path}: no such file; every PCI function has it, so the sysfs tree is incomplete"
+            f"reading {sysfs.path(rel)}: no such file; every PCI function has it, so the sysfs tree "
+            "is incomplete"
         )
     return text
 
 
-def _hex_id(path: Path) -> str:
-    return _check_hex(path, _read(path))
+def _hex_id(sysfs: Sysfs, rel: str) -> str:
+    return _check_hex(sysfs, rel, _required(sysfs, rel))
 
 
-def _optional_hex_id(path: Path) -> str | None:
-    text = _read_optional(path)
-    return None if text is None else _check_hex(path, text)
+def _optional_hex_id(sysfs: Sysfs, rel: str) -> str | None:
+    text = sysfs.read_text(rel)
+    return None if text is None else _check_hex(sysfs, rel, text)
 
 
-def _check_hex(path: Path, text: str) -> str:
+def _check_hex(sysfs: Sysfs, rel: str, text: str) -> str:
     value = text.lower()
     if not _HEX_ID.match(value):
-        raise DiscoveryError(f"{path} holds {text[:40]!r}; expected a hex id such as 0x10ee")
+        raise DiscoveryError(f"{sysfs.path(rel)} holds {text[:40]!r}; expected a hex id such as 0x10ee")
     return value
 
 
-def _parse_int(path: Path, text: str) -> int:
+def _parse_int(sysfs: Sysfs, rel: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise DiscoveryError(f"{path} holds {text[:40]!r}; expected an integer") from None
+        raise DiscoveryError(f"{sysfs.path(rel)} holds {text[:40]!r}; expected an integer") from None
 
 
-def _numa_node(path: Path) -> int | None:
-    text = _read_optional(path)
+def _numa_node(sysfs: Sysfs, rel: str) -> int | None:
+    text = sysfs.read_text(rel)
     if text is None:
         return None  # kernels built without NUMA have no numa_node file
-    node = _parse_int(path, text)
+    node = _parse_int(sysfs, rel, text)
     return None if node < 0 else node
 
 
-def _sriov(device_dir: Path) -> Sriov | None:
-    total = _read_optional(device_dir / "sriov_totalvfs")
+def _sriov(sysfs: Sysfs, device_dir: str) -> Sriov | None:
+    total = sysfs.read_text(f"{device_dir}/sriov_totalvfs")
     if total is None:
         return None
     return Sriov(
-        total_vfs=_parse_int(device_dir / "sriov_totalvfs", total),
-        num_vfs=_parse_int(device_dir / "sriov_numvfs", _read(device_dir / "sriov_numvfs")),
+        total_vfs=_parse_int(sysfs, f"{device_dir}/sriov_totalvfs", total),
+        num_vfs=_parse_int(
+            sysfs, f"{device_dir}/sriov_numvfs", _required(sysfs, f"{device_dir}/sriov_numvfs")
+        ),
     )
 
 
-def _virtfns(device_dir: Path) -> tuple[str, ...]:
-    try:
-        names = [n for n in os.listdir(device_dir) if n.startswith("virtfn")]
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"listing {device_dir}", err)) from err
+def _virtfns(sysfs: Sysfs, device_dir: str) -> tuple[str, ...]:
     indexed = []
-    for name in names:
+    for name in sysfs.listdir(device_dir) or []:
         index = name.removeprefix("virtfn")
-        if index.isdigit():
-            target = _link_name(device_dir / name)
+        if name.startswith("virtfn") and index.isdigit():
+            target = sysfs.link_name(f"{device_dir}/{name}")
             if target is not None:
                 indexed.append((int(index), target))
     return tuple(target for _, target in sorted(indexed))
-
-
-def _link_name(path: Path) -> str | None:
-    """Last component of a symlink's target (driver, iommu_group, physfn); None if absent."""
-    try:
-        return os.path.basename(os.readlink(path))
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"reading link {path}", err)) from err

@@ -36,15 +36,24 @@ from nodeagent.cgroups import CgroupHost, Hierarchy, Resources, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.cpulist import parse_cpulist
-from nodeagent.errors import ConfigError, Conflict, DiscoveryError, Unsupported, os_error_message
+from nodeagent.devices.cpu import CpuTopology
+from nodeagent.devices.topology import Topology
+from nodeagent.errors import ConfigError, Conflict, Unsupported
 
 
 @dataclass(frozen=True)
 class CpuLayout:
-    """The host's online CPUs and the CPUs of each NUMA node."""
+    """The host's online CPUs and the online CPUs of each NUMA node."""
 
     online: frozenset[int]
     node_cpus: Mapping[int, frozenset[int]]
+
+    @classmethod
+    def of(cls, topology: Topology | CpuTopology) -> CpuLayout:
+        """The layout in what devices' discovery found, so the host's sysfs is read once, there.
+        A kernel without NUMA shows as one node 0 holding every CPU, which is what this needs."""
+        online = frozenset(cpu.id for cpu in topology.cpus if cpu.online)
+        return cls(online, {node.id: frozenset(node.cpus) & online for node in topology.numa_nodes})
 
     @property
     def nodes(self) -> frozenset[int]:
@@ -52,27 +61,6 @@ class CpuLayout:
 
     def cpus_of(self, nodes: Iterable[int]) -> frozenset[int]:
         return frozenset().union(*(self.node_cpus.get(node, frozenset()) for node in nodes))
-
-
-def read_cpu_layout(sys_root: Path = Path("/sys")) -> CpuLayout:
-    """Online CPUs and per-node CPUs from sysfs; a kernel without NUMA is one node 0."""
-    system = sys_root / "devices" / "system"
-    online = parse_cpulist(_read(system / "cpu" / "online"))
-    node_cpus: dict[int, frozenset[int]] = {}
-    node_dir = system / "node"
-    if node_dir.is_dir():
-        for entry in sorted(node_dir.iterdir()):
-            suffix = entry.name.removeprefix("node")
-            if entry.name.startswith("node") and suffix.isdigit():
-                node_cpus[int(suffix)] = parse_cpulist(_read(entry / "cpulist")) & online
-    return CpuLayout(online, node_cpus or {0: online})
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"reading {path}", err)) from err
 
 
 # --------------------------------------------------------------------------- pure decisions

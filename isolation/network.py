@@ -63,8 +63,10 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError, os_error_message
+from nodeagent.kernelfs import Sysfs
 
-SYS_CLASS_NET = Path("/sys/class/net")
+#: Network interfaces in sysfs: a name there is a link in this (the host's) network namespace.
+NET_CLASS = "class/net"
 NETNS_RUN_DIR = Path("/run/netns")
 IFNAMSIZ = 15  # usable characters of a Linux interface name
 _MIN_HASH_CHARS = 4
@@ -627,7 +629,7 @@ class Pyroute2Backend:
                 f"network namespace {plan.netns} for slot {plan.slot_id} already exists; "
                 "tear the slot's network down before setting it up again"
             )
-        if Path("/sys/class/net", plan.host_ifname).exists():
+        if Sysfs().exists(f"{NET_CLASS}/{plan.host_ifname}"):
             raise Conflict(
                 f"host interface {plan.host_ifname} for slot {plan.slot_id} already exists "
                 "(a leftover, or another slot id with the same hash); tear it down first"
@@ -833,7 +835,7 @@ class IpBatchBackend:
     def list_owned(self) -> OwnedNetwork:
         # Without netlink (and without loading pyroute2): links from sysfs, rules from `ip -json`.
         prefix = self.config.veth_prefix
-        veths = sorted(p.name for p in SYS_CLASS_NET.iterdir() if p.name.startswith(prefix))
+        veths = [name for name in Sysfs().listdir(NET_CLASS) or [] if name.startswith(prefix)]
         done = subprocess.run(
             [self.ip, "-json", "rule", "show", "priority", str(self.config.rule_priority)],
             capture_output=True,

@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 from nodeagent.cgroups import CgroupHost, open_manager
 from nodeagent.cpulist import format_cpulist
+from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.errors import NodeAgentError
-from nodeagent.isolation.cpus import read_cpu_layout
+from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.foreign import ForeignCpu, ForeignCpuMeter
 from nodeagent.isolation.host import (
     PARTS,
@@ -41,6 +42,7 @@ from nodeagent.isolation.host_kernel import (
     interrupt_counts,
     systemd_owns_cgroups,
 )
+from nodeagent.kernelfs import Sysfs
 
 log = logging.getLogger("nodeagent.host")
 
@@ -268,7 +270,7 @@ def host_partitioner(
         knobs.append(siblings)
     notifiers: list[Notifier] = [IrqBalance(proc, run)]
     return HostPartitioner(
-        lambda: read_cpu_layout(sys).online,
+        lambda: CpuLayout.of(discover_cpu_topology(Sysfs(sys))).online,
         tasks,
         knobs,
         RecordFile(state_dir / RECORD_NAME),

@@ -48,6 +48,7 @@ from nodeagent.errors import (
     Unsupported,
     os_error_message,
 )
+from nodeagent.kernelfs import Procfs
 
 DEFAULT_ROOT = Path("/sys/fs/resctrl")
 MOUNT_HINT = "mount -t resctrl resctrl /sys/fs/resctrl"
@@ -278,6 +279,7 @@ class Resctrl:
     ) -> None:
         self.root = root
         self.proc_root = proc_root
+        self.procfs = Procfs(proc_root)
         self.default_reserve_ways = default_reserve_ways
 
     # -- detection ------------------------------------------------------------------------------
@@ -323,7 +325,7 @@ class Resctrl:
                 "available on this host; slots run without l3 or memory-bandwidth limits"
             )
         have = ", ".join(sorted(flags))
-        filesystems = self._read_text(self.proc_root / "filesystems")
+        filesystems = self.procfs.read_text("filesystems")
         if filesystems is not None and "resctrl" not in filesystems.split():
             return (
                 f"the CPU supports RDT ({have}) but this kernel has no resctrl filesystem; use a kernel "
@@ -332,7 +334,7 @@ class Resctrl:
         return f"resctrl is not mounted at {self.root} although the CPU supports it ({have}): {MOUNT_HINT}"
 
     def _cpu_flags(self) -> frozenset[str]:
-        text = self._read_text(self.proc_root / "cpuinfo") or ""
+        text = self.procfs.read_text("cpuinfo") or ""
         for line in text.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "flags":
@@ -340,7 +342,7 @@ class Resctrl:
         return frozenset()
 
     def _cpu_vendor(self) -> str:
-        text = self._read_text(self.proc_root / "cpuinfo") or ""
+        text = self.procfs.read_text("cpuinfo") or ""
         for line in text.splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "vendor_id":
@@ -348,7 +350,7 @@ class Resctrl:
         return ""
 
     def _mount_options(self) -> frozenset[str]:
-        text = self._read_text(self.proc_root / "self" / "mountinfo") or ""
+        text = self.procfs.read_text("self/mountinfo") or ""
         for line in text.splitlines():
             _, sep, after = line.partition(" - ")
             fields = after.split()
@@ -663,13 +665,6 @@ class Resctrl:
             return int(text)
         except ValueError:
             raise ResctrlError(f"{self.root / relpath} holds {text!r}, not a number") from None
-
-    @staticmethod
-    def _read_text(path: Path) -> str | None:
-        try:
-            return path.read_text()
-        except OSError:
-            return None
 
 
 def _check_group_name(name: str) -> None:

@@ -41,11 +41,13 @@ from nodeagent.cgroups import (
     remove_subtree,
 )
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
+from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
-from nodeagent.isolation.cpus import CpuLayout, SharedPool, read_cpu_layout, shared_slot_cpus
+from nodeagent.isolation.cpus import CpuLayout, SharedPool, shared_slot_cpus
 from nodeagent.isolation.devices import slot_device_rules
 from nodeagent.isolation.firewall import NftFirewall
 from nodeagent.isolation.network import (
+    NET_CLASS,
     NetworkBackend,
     OwnedNetwork,
     SlotNetwork,
@@ -61,6 +63,7 @@ from nodeagent.isolation.network import (
 from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]
 
@@ -196,8 +199,9 @@ class SlotIsolator:
 
     Thread-safe (one lock); one isolator per host and parent. ``network_backend`` defaults to
     :func:`~nodeagent.isolation.network.default_backend` and ``resctrl`` to the host's resctrl
-    filesystem, both created on first use; ``layout`` (online CPUs per NUMA node) is read from sysfs
-    unless given.
+    filesystem, both created on first use; ``layout`` (online CPUs per NUMA node) is best
+    ``CpuLayout.of(topology)`` of the topology the caller discovered already; without it, devices'
+    discovery reads ``config.sys_root`` on first use.
     """
 
     def __init__(
@@ -224,7 +228,7 @@ class SlotIsolator:
     @property
     def pool(self) -> SharedPool:
         if self._pool is None:
-            layout = self._layout or read_cpu_layout(self.config.sys_root)
+            layout = self._layout or CpuLayout.of(discover_cpu_topology(Sysfs(self.config.sys_root)))
             self._pool = SharedPool(self.host, self.hierarchy, layout, self.config.reserved_cpus)
         return self._pool
 
@@ -586,9 +590,8 @@ class SlotIsolator:
 
     def _has_network(self, slot_id: str) -> bool:
         config = self.config.network
-        return (
-            netns_path(config, slot_id).exists()
-            or Path("/sys/class/net", host_veth_name(config, slot_id)).exists()
+        return netns_path(config, slot_id).exists() or Sysfs().exists(
+            f"{NET_CLASS}/{host_veth_name(config, slot_id)}"
         )
 
     def _resctrl_mounted(self) -> bool:

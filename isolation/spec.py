@@ -141,6 +141,7 @@ class IsolationConfig:
     gpu_control_nodes: tuple[str, ...] = GPU_CONTROL_NODES
     resctrl_prefix: str = "na-"
     resctrl_root: Path = RESCTRL_ROOT
+    #: Where devices' discovery reads the CPU layout when the isolator is not given one (fake trees).
     sys_root: Path = Path("/sys")
     #: How long to wait for a slot's processes to die and its cgroups to drain.
     kill_timeout_s: float = 10.0

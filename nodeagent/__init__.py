@@ -2,9 +2,10 @@
 isolated slots for ML inference workers.
 
 The top-level folders of the repository install as subpackages of this namespace:
-``nodeagent.devices`` (discovery), ``nodeagent.cgroups``, ``nodeagent.isolation``,
-``nodeagent.runtime``, ``nodeagent.placement`` (pure placement decisions) and ``nodeagent.agent``
-(the daemon and the CLI).
+``nodeagent.schema`` (the request and worker spec), ``nodeagent.devices`` (discovery),
+``nodeagent.placement`` (pure placement decisions), ``nodeagent.cgroups``, ``nodeagent.isolation``,
+``nodeagent.runtime``, ``nodeagent.agent`` (the daemon) and ``nodeagent.cli`` (the operator's
+command; each subcommand loads only what it uses). docs/architecture.md draws the house.
 """
 
 from nodeagent.errors import NodeAgentError

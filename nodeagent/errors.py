@@ -5,7 +5,7 @@
     NodeAgentError
     ├── ConfigError            bad configuration or command-line input
     ├── InvalidRequest         a request (slot, plan, API body) that cannot be accepted as given
-    ├── DiscoveryError         the host's hardware could not be read
+    ├── DiscoveryError         the host's hardware or kernel state (sysfs, procfs) could not be read
     ├── PlacementError         a request does not fit the free resources
     ├── NotFound               a named slot, device or file does not exist
     ├── Conflict               the request clashes with existing state

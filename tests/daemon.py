@@ -44,7 +44,7 @@ def nodeagent_argv() -> list[str]:
     script = Path(sys.executable).parent / "nodeagent"
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-c", "from nodeagent.agent.cli import main; main()"]
+    return [sys.executable, "-c", "from nodeagent.cli import main; main()"]
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nodeagent.agent.cmd_doctor import command
 from nodeagent.agent.doctor import (
     Check,
     HostRoots,
@@ -18,6 +17,7 @@ from nodeagent.agent.doctor import (
     to_json,
     to_table,
 )
+from nodeagent.cli.cmd_doctor import command
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState
 from tests.trees import write_tree
 

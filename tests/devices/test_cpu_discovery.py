@@ -19,7 +19,6 @@ import pytest
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.cpu import CPU_DIR, NODE_DIR, CpuTopology, cpu_model, discover_cpu_topology
 from nodeagent.devices.discovery import discover
-from nodeagent.devices.sysfs import Sysfs
 from nodeagent.devices.topology import (
     Fpga,
     Gpu,
@@ -31,6 +30,7 @@ from nodeagent.devices.topology import (
     topology_to_dict,
 )
 from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import Sysfs
 from tests.devices import sysfs_trees as trees
 from tests.trees import write_tree
 
@@ -425,16 +425,6 @@ def test_unreadable_file_names_its_path_and_the_reason(tmp_path: Path) -> None:
 def test_missing_sysfs_root_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(DiscoveryError, match=r"no CPUs found under .*nowhere/devices/system/cpu.*sysfs"):
         discover_cpu_topology(Sysfs(tmp_path / "nowhere"), proc_root=tmp_path)
-
-
-def test_sysfs_reader_returns_none_for_absent_files(tmp_path: Path) -> None:
-    sysfs = Sysfs(tmp_path)
-    (tmp_path / "n").write_text("  42\n")
-    assert (sysfs.read_text("absent"), sysfs.read_int("absent"), sysfs.read_cpulist("absent")) == (None,) * 3
-    assert (sysfs.listdir("absent"), sysfs.exists("absent"), sysfs.exists("n")) == (None, False, True)
-    assert (sysfs.read_text("n"), sysfs.read_int("n"), sysfs.listdir()) == ("42", 42, ["n"])
-    with pytest.raises(DiscoveryError, match="expected a directory"):
-        sysfs.listdir("n")
 
 
 # --------------------------------------------------------------------------- JSON

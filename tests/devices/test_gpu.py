@@ -187,6 +187,29 @@ def test_missing_mig_capability_files_are_reported_not_fatal(tmp_path: Path) -> 
     assert any("GPU 7: no MIG capability files for GPU instance 0" in p for p in inventory.problems)
 
 
+def test_damaged_kernel_files_cost_one_gpu_a_detail_not_the_inventory(tmp_path: Path) -> None:
+    host = fake_nvml.h100_8x_mixed_mig(numa_call="not_supported")
+    sysfs = gpu_host_sysfs(host)
+    sysfs["bus/pci/devices/0000:1b:00.0/numa_node"] = "zero\n"  # GPU 0's NUMA node, garbled
+    proc = mig_capabilities_proc(host)
+    access = "driver/nvidia/capabilities/gpu7/mig/gi0/access"
+    del proc[access]
+    proc[access + "/"] = ""  # a directory where GPU 7's MIG access file should be: EISDIR
+    inventory, _ = discover(tmp_path, host, sysfs=sysfs, proc=proc)
+    assert inventory.status == "ok"
+    assert len(inventory.gpus) == 8
+    assert (by_index(inventory)[0].numa, by_index(inventory)[1].numa) == (None, 0)
+    gpu7 = by_index(inventory)[7]
+    assert gpu7.mig is not None
+    assert gpu7.mig.instances[0].device_nodes == ()
+    assert sorted(p.split(":")[0] for p in inventory.problems) == ["GPU 0", "GPU 7"]
+    gpu0, gpu7_problem = sorted(inventory.problems)
+    assert "its NUMA node is unknown" in gpu0
+    assert "0000:1b:00.0/numa_node: expected an integer, found 'zero" in gpu0
+    assert "MIG instance 0" in gpu7_problem
+    assert f"{access}: Is a directory (EISDIR)" in gpu7_problem
+
+
 # --------------------------------------------------------------------------- no driver, no GPU
 
 

@@ -10,16 +10,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nodeagent.cgroups import CgroupHost, Hierarchy
+from nodeagent.devices.cpu import discover_cpu_topology
+from nodeagent.devices.topology import Cpu, NumaNode, Topology
 from nodeagent.errors import ConfigError, Conflict
 from nodeagent.isolation.cpus import (
     CpuLayout,
     CpusetGroup,
     SharedPool,
     plan_cpuset_writes,
-    read_cpu_layout,
     shared_pool,
     shared_slot_cpus,
 )
+from nodeagent.kernelfs import Sysfs
+from tests.devices import sysfs_trees
 from tests.trees import write_tree
 
 F = frozenset
@@ -116,24 +119,46 @@ def test_any_change_reaches_its_target_within_the_subset_rule(
     assert final == {g.relpath: g.target for g in groups}
 
 
-def test_layout_from_sysfs(tmp_path: Path) -> None:
-    root = write_tree(
-        tmp_path,
-        {
-            "devices/system/cpu/online": "0-5\n",
-            "devices/system/node/node0/cpulist": "0-2\n",
-            "devices/system/node/node1/cpulist": "3-5,6-7\n",  # 6-7 are offline
-            "devices/system/node/possible": "0-1\n",
-        },
-    )
-    layout = read_cpu_layout(root)
-    assert layout.online == F(range(6))
-    assert layout.node_cpus == {0: F({0, 1, 2}), 1: F({3, 4, 5})}
+@pytest.mark.parametrize(
+    ("tree", "online", "node_cpus"),
+    [
+        pytest.param(
+            sysfs_trees.four_numa_nps2(),
+            F(range(32)),
+            {n: F(range(4 * n, 4 * n + 4)) | F(range(16 + 4 * n, 20 + 4 * n)) for n in range(4)},
+            id="four-nodes",
+        ),
+        pytest.param(
+            sysfs_trees.offline_cpus(),
+            F({0, 1, 2, 4, 6}),
+            {0: F({0, 1, 2, 4, 6})},
+            id="offline-left-out",
+        ),
+        pytest.param(
+            {k: v for k, v in sysfs_trees.dual_socket_ht().items() if not k.startswith(sysfs_trees.NODE)},
+            F(range(16)),
+            {0: F(range(16))},
+            id="no-numa-is-one-node",
+        ),
+    ],
+)
+def test_layout_from_devices_discovery(
+    tmp_path: Path, tree: dict[str, str], online: frozenset[int], node_cpus: dict[int, frozenset[int]]
+) -> None:
+    write_tree(tmp_path / "sys", tree)
+    (tmp_path / "proc").mkdir()  # a kernel without NUMA sends discovery to meminfo: absent here
+    topology = discover_cpu_topology(Sysfs(tmp_path / "sys"), proc_root=tmp_path / "proc")
+    layout = CpuLayout.of(topology)
+    assert (layout.online, layout.node_cpus) == (online, node_cpus)
 
 
-def test_layout_without_numa_is_one_node(tmp_path: Path) -> None:
-    layout = read_cpu_layout(write_tree(tmp_path, {"devices/system/cpu/online": "0-3\n"}))
-    assert layout.node_cpus == {0: F(range(4))}
+def test_layout_of_a_topology_drops_offline_cpus_from_their_node() -> None:
+    cpus = tuple(Cpu(id=i, core=i, socket=0, numa=i // 2, l3=None, online=i != 3) for i in range(4))
+    nodes = (NumaNode(0, (0, 1), None, None), NumaNode(1, (2, 3), None, None), NumaNode(2, (), None, None))
+    layout = CpuLayout.of(Topology("h", cpus, nodes))
+    assert layout.online == F({0, 1, 2})
+    assert layout.node_cpus == {0: F({0, 1}), 1: F({2}), 2: F()}
+    assert layout.cpus_of([1, 2]) == F({2})
 
 
 # --------------------------------------------------------------------------- the updater on a fake tree

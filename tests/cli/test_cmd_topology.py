@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 from click.testing import CliRunner, Result
 
-from nodeagent.agent.cli import cli
-from nodeagent.agent.cmd_topology import format_topology
+from nodeagent.cli import cli
+from nodeagent.cli.cmd_topology import format_topology
 from nodeagent.devices import discovery
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState, Topology, topology_from_dict
 from tests.devices import sysfs_trees as trees

@@ -16,8 +16,8 @@ import uvicorn
 from click.testing import CliRunner
 
 from nodeagent.agent.api import create_app
-from nodeagent.agent.cli import cli
-from nodeagent.agent.client import AgentClient, AgentUnreachable, read_token
+from nodeagent.cli import cli
+from nodeagent.cli.client import AgentClient, AgentUnreachable, read_token
 from nodeagent.errors import ConfigError, Conflict, NotFound, PlacementError
 from tests.agent.fake_service import FakeSlotService
 

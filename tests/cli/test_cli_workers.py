@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agent.cmd_slots import format_slot
-from tests.agent import test_cli_client as served
+from nodeagent.cli.cmd_slots import format_slot
+from tests.cli import test_cli_client as served
 
 agent = served.agent  # the fixture: a real uvicorn server over FakeSlotService
 Agent = served.Agent

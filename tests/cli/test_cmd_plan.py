@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from nodeagent.agent.cli import cli
+from nodeagent.cli import cli
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import topology_to_dict
 

@@ -5,20 +5,28 @@ in ``--token-file`` / ``NODEAGENT_TOKEN_FILE`` (default: ``<state dir>/token``, 
 ``nodeagent serve`` writes on first start). Errors come back as the project's errors carrying the
 server's message: the API's ``error.code`` picks the class (``does_not_fit`` -> PlacementError,
 ``not_found`` -> NotFound, ...), so the CLI prints them as it prints local errors.
+
+The requests go through ``nodeagent.cli.transport`` (HTTP/1.1 on a socket), not httpx: importing
+httpx took ~65 ms of the 80 ms a whole ``nodeagent slots list`` may take (see that module's header).
+What the CLI relied on from httpx is kept: one keep-alive connection, one timeout (60 s) for
+connecting and for each read or write, JSON bodies, and the error messages (a refused connection, a
+timeout named ConnectTimeout, WriteTimeout or ReadTimeout, a URL without http:// or https://).
+Proxy variables (HTTP_PROXY, ...) are not read: the agent is on this host or reached directly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
-from urllib.parse import quote
+from typing import Any, NamedTuple
+from urllib.parse import quote, urlencode
 
-import httpx
-
-from nodeagent.agent.config import default_state_dir
+from nodeagent import __version__
+from nodeagent.cli.transport import Connection, Endpoint, ProtocolError, parse_url
+from nodeagent.defaults import DEFAULT_API, default_token_file
 from nodeagent.errors import (
     CgroupError,
     ConfigError,
@@ -34,9 +42,7 @@ from nodeagent.errors import (
     Unsupported,
     WorkerError,
 )
-from nodeagent.schema.request import NAME_PATTERN
 
-DEFAULT_API = "http://127.0.0.1:7070"
 API_ENV = "NODEAGENT_API"
 TOKEN_FILE_ENV = "NODEAGENT_TOKEN_FILE"  # noqa: S105 - the name of a variable, not a secret
 DEFAULT_TIMEOUT_SECONDS = 60.0
@@ -76,10 +82,6 @@ _ERRORS_BY_STATUS: dict[int, type[NodeAgentError]] = {
 }
 
 
-def default_token_file() -> Path:
-    return default_state_dir() / "token"
-
-
 def resolve_api(api: str | None) -> str:
     return (api or os.environ.get(API_ENV) or DEFAULT_API).rstrip("/")
 
@@ -110,24 +112,36 @@ def read_token(path: Path) -> str:
     return token
 
 
+class Response(NamedTuple):
+    """One answer of the agent, read whole (the API's bodies are small JSON documents)."""
+
+    method: str
+    path: str  #: the URL's path, without the query
+    host: str
+    status: int
+    reason: str
+    body: bytes
+
+    @property
+    def is_error(self) -> bool:
+        return self.status >= 400
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
 class AgentClient:
     """Calls the agent's /v1 API; returns decoded JSON, raises the project's errors."""
 
-    def __init__(
-        self,
-        base_url: str,
-        token: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT_SECONDS,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
+    def __init__(self, base_url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
-            timeout=timeout,
-            transport=transport,
-        )
+        self.timeout = timeout
+        self._headers = {
+            "Authorization": f"Bearer {token}",
+            "Accept": "application/json",
+            "User-Agent": f"nodeagent-cli/{__version__}",
+        }
+        self._connection: Connection | None = None
 
     @classmethod
     def from_options(cls, api: str | None = None, token_file: Path | None = None) -> AgentClient:
@@ -143,7 +157,9 @@ class AgentClient:
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
     # --- the API
 
@@ -165,23 +181,23 @@ class AgentClient:
 
     def allocate(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
         """The slot, and True when it was created (False: it existed with the same request)."""
-        response = self._send("POST", "/v1/slots", json=dict(request))
-        return _decode(response), response.status_code == 201
+        response = self._send("POST", "/v1/slots", body=dict(request))
+        return _decode(response), response.status == 201
 
     def resize(self, slot_id: str, resources: Mapping[str, Any]) -> dict[str, Any]:
-        return self._json("PATCH", _slot_path(slot_id), json={"resources": dict(resources)})
+        return self._json("PATCH", _slot_path(slot_id), body={"resources": dict(resources)})
 
     def release(self, slot_id: str) -> None:
         self._send("DELETE", _slot_path(slot_id))
 
     def start_worker(self, slot_id: str, spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        return self._json("POST", _slot_path(slot_id, "worker"), json=None if spec is None else dict(spec))
+        return self._json("POST", _slot_path(slot_id, "worker"), body=None if spec is None else dict(spec))
 
     def stop_worker(self, slot_id: str) -> dict[str, Any]:
         return self._json("DELETE", _slot_path(slot_id, "worker"))
 
     def logs(self, slot_id: str, lines: int = 100) -> list[str]:
-        body = self._json("GET", _slot_path(slot_id, "logs"), params={"lines": lines})
+        body = self._json("GET", _slot_path(slot_id, "logs"), query={"lines": lines})
         return [str(line) for line in body["lines"]]
 
     # --- the I/O boundary
@@ -189,25 +205,62 @@ class AgentClient:
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return _decode(self._send(method, path, **kwargs))
 
-    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(
+        self, method: str, path: str, *, body: Any = None, query: Mapping[str, Any] | None = None
+    ) -> Response:
+        """One request; ``body`` (when not None) is sent as JSON. Raises AgentUnreachable when no
+        answer came, and the project's error for an error answer."""
+        endpoint = self._endpoint()
+        target = endpoint.path_prefix + path
+        headers = dict(self._headers)
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        stage = "ConnectTimeout"
         try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TimeoutException as err:
+            connection = self._connection_to(endpoint)
+            connection.open()
+            stage = "WriteTimeout"
+            connection.send(method, target + (f"?{urlencode(query)}" if query else ""), headers, payload)
+            stage = "ReadTimeout"
+            answer = connection.receive(method)
+        except TimeoutError as err:
+            self.close()
             raise AgentUnreachable(
-                f"the agent at {self.base_url} did not answer {method} {path} in time ({type(err).__name__})"
+                f"the agent at {self.base_url} did not answer {method} {path} in time ({stage})"
             ) from err
-        except httpx.TransportError as err:
-            raise AgentUnreachable(
-                f"cannot reach the agent at {self.base_url}: {err or type(err).__name__}; "
-                f"is `nodeagent serve` running? (set --api or {API_ENV} if it listens elsewhere)"
-            ) from err
+        except (OSError, ProtocolError) as err:
+            self.close()
+            raise self._unreachable(str(err) or type(err).__name__) from err
+        response = Response(method, target, endpoint.host, answer.status, answer.reason, answer.body)
         if response.is_error:
             raise error_from_response(response)
         return response
 
+    def _endpoint(self) -> Endpoint:
+        try:
+            return parse_url(self.base_url)
+        except ValueError as err:
+            raise self._unreachable(str(err)) from None
+
+    def _connection_to(self, endpoint: Endpoint) -> Connection:
+        if self._connection is None:
+            self._connection = Connection(endpoint, self.timeout)
+        return self._connection
+
+    def _unreachable(self, reason: str) -> AgentUnreachable:
+        return AgentUnreachable(
+            f"cannot reach the agent at {self.base_url}: {reason}; "
+            f"is `nodeagent serve` running? (set --api or {API_ENV} if it listens elsewhere)"
+        )
+
 
 def _slot_path(slot_id: str, *rest: str) -> str:
     # Checked here as well as by the server: an id with '/' would otherwise address another path.
+    # The schema is imported here, not at the top: `slots list` names no slot and need not load it.
+    from nodeagent.schema.request import NAME_PATTERN  # noqa: PLC0415
+
     if NAME_PATTERN.fullmatch(slot_id) is None:
         raise InvalidRequest(
             f"{slot_id!r} is not a slot id or name; they are 1-63 characters of a-z, 0-9, '.', '_' or '-' "
@@ -216,30 +269,30 @@ def _slot_path(slot_id: str, *rest: str) -> str:
     return "/".join(("/v1/slots", quote(slot_id, safe=""), *rest))
 
 
-def _decode(response: httpx.Response) -> dict[str, Any]:
+def _decode(response: Response) -> dict[str, Any]:
     try:
         body = response.json()
     except ValueError as err:
         raise NodeAgentError(
-            f"the agent answered {response.request.method} {response.request.url.path} with "
-            f"HTTP {response.status_code} but not JSON; is {response.request.url.host} a nodeagent?"
+            f"the agent answered {response.method} {response.path} with "
+            f"HTTP {response.status} but not JSON; is {response.host} a nodeagent?"
         ) from err
     if not isinstance(body, dict):
         raise NodeAgentError(f"the agent answered with {type(body).__name__}, expected a JSON object")
     return body
 
 
-def error_from_response(response: httpx.Response) -> NodeAgentError:
+def error_from_response(response: Response) -> NodeAgentError:
     """The project's error for an API error response, with the server's message."""
     code, message = _error_body(response)
-    cls = _ERRORS_BY_CODE.get(code) or _ERRORS_BY_STATUS.get(response.status_code, NodeAgentError)
-    if response.status_code == 401:
+    cls = _ERRORS_BY_CODE.get(code) or _ERRORS_BY_STATUS.get(response.status, NodeAgentError)
+    if response.status == 401:
         message += "; check --token-file / " + TOKEN_FILE_ENV
     return cls(message)
 
 
-def _error_body(response: httpx.Response) -> tuple[str, str]:
-    fallback = f"the agent answered HTTP {response.status_code} {response.reason_phrase}"
+def _error_body(response: Response) -> tuple[str, str]:
+    fallback = f"the agent answered HTTP {response.status} {response.reason}"
     try:
         error = response.json()["error"]
         return str(error["code"]), str(error["message"])

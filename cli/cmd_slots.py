@@ -2,7 +2,7 @@
 workers, through the agent's API.
 
 Tables for people, ``--json`` for scripts. The group's ``--api`` / ``--token-file`` (or
-NODEAGENT_API / NODEAGENT_TOKEN_FILE) say where the agent is; see ``agent.client``.
+NODEAGENT_API / NODEAGENT_TOKEN_FILE) say where the agent is; see ``cli.client``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import click
 
-from nodeagent.agent.client import API_ENV, TOKEN_FILE_ENV, AgentClient
+from nodeagent.cli.client import API_ENV, TOKEN_FILE_ENV, AgentClient
 from nodeagent.errors import InvalidRequest, WorkerError
-from nodeagent.schema.request import format_quantity
+from nodeagent.quantity import format_quantity
 
 F = TypeVar("F", bound=Callable[..., Any])
 
