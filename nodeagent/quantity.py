@@ -1,10 +1,9 @@
 """Byte counts for people, in binary units: 4294967296 -> "4Gi", 6.6 GiB -> "6.6Gi".
 
-The CLI prints every memory figure with these. They live here, on their own, because the CLI must
-not import the request schema (``nodeagent.schema.request``, which parses quantities) only to print
-a table: that import alone was ~5 ms of the 80 ms a ``nodeagent slots list`` may take. Until
-schema.request imports these instead of keeping its own, tests/test_quantity.py holds both to the
-same answers.
+The CLI prints every memory figure with these, and the request schema writes quantities back with
+them (``nodeagent.schema.quantity`` parses). They live here, on their own, because the CLI must not
+import the request schema only to print a table: that import alone was ~5 ms of the 80 ms a
+``nodeagent slots list`` may take.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from nodeagent.quantity import format_quantity, format_quantity_short
+
 #: CPU quotas and GPU shares are kept in thousandths, like kubelet's millicores, so sums stay exact.
 MILLI = 1000
 MAX_BYTES = 2**63 - 1
@@ -98,21 +100,13 @@ def milli_number(millis: int) -> int | float:
     return millis // MILLI if millis % MILLI == 0 else millis / MILLI
 
 
-def format_quantity(nbytes: int) -> str:
-    """The shortest exact binary form: 4294967296 -> "4Gi", 1000 -> "1000"."""
-    for unit in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
-        size = UNITS[unit]
-        if nbytes and nbytes % size == 0:
-            return f"{nbytes // size}{unit}"
-    return str(nbytes)
-
-
-def format_quantity_short(nbytes: int) -> str:
-    """For people: the exact form when it is short ("512Mi"), else one decimal ("6.6Gi")."""
-    exact = format_quantity(nbytes)
-    if len(exact) <= 6:
-        return exact
-    for unit in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
-        if nbytes >= UNITS[unit]:
-            return f"{nbytes / UNITS[unit]:.1f}{unit}"
-    return exact
+__all__ = [
+    "MAX_BYTES",
+    "MILLI",
+    "format_quantity",
+    "format_quantity_short",
+    "milli_number",
+    "parse_milli",
+    "parse_quantity",
+    "shown",
+]
