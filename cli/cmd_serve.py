@@ -36,17 +36,32 @@ from nodeagent.agent.config import apply_overrides, load_config
     is_flag=True,
     help="Remove slots that run on this host but that the state database lost, killing their processes.",
 )
+@click.option(
+    "--restore-host",
+    is_flag=True,
+    help="Put back every CPU affinity, interrupt and cgroup host partitioning changed, then exit "
+    "(refused while an agent runs; docs/host-partitioning.md).",
+)
 def command(
+    *,
     config_file: Path | None,
     listen: str | None,
     state_dir: Path | None,
     recover: bool,
     discard_orphans: bool,
+    restore_host: bool,
 ) -> None:
     """Run the agent: reconcile, supervise workers, serve the REST API, report to the controller."""
     from nodeagent.agent.daemon import serve  # noqa: PLC0415 - keep other commands' start-up light
     from nodeagent.agent.recovery import RecoveryMode  # noqa: PLC0415
 
+    if restore_host:
+        from nodeagent.agent.daemon import restore_host as restore  # noqa: PLC0415
+        from nodeagent.isolation.partitioning import describe  # noqa: PLC0415
+
+        report = restore(apply_overrides(load_config(config_file), state_dir=state_dir))
+        click.echo(f"host restored: {describe(report)}")
+        return
     if recover and discard_orphans:
         raise click.UsageError("--recover and --discard-orphans exclude each other; choose one")
     mode = RecoveryMode.REFUSE

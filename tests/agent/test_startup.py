@@ -4,8 +4,10 @@ cgroup exists, and slots the database lost are kept until the operator says what
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from tests.daemon import HOST_OFF, DaemonProcess, free_port
+from tests.daemon import HOST_OFF, DaemonProcess, free_port, nodeagent_argv
 
 pytestmark = [pytest.mark.root]
 
@@ -116,4 +118,30 @@ def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(dae
     assert slot["worker"]["pid"] == pid
     assert alive(pid)
     assert client.delete("/v1/slots/web").status_code == 204
+    client.close()
+
+
+def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(daemon: DaemonProcess) -> None:
+    client = daemon.start()
+    request = {
+        "name": "broken",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": {"command": ["/nonexistent/server"], "restart": "always"},
+    }
+    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    done = subprocess.run(
+        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "did not start" in done.stderr
+    assert "launch failed" in done.stderr
+    worker = client.get("/v1/slots/broken").json()["worker"]
+    assert worker["phase"] == "failed"
+    assert "No such file" in worker["message"]
+    assert worker["next_restart_in"] is None  # not retried, whatever its policy
     client.close()
