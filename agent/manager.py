@@ -265,7 +265,20 @@ class SlotManager:
     def logs(self, slot_id: str, lines: int) -> list[str]:
         if lines < 0:
             raise InvalidRequest(f"logs: lines is {lines}; ask for 0 or more")
-        return self._runtime.logs(self._slot(slot_id).id, lines)
+        slot = self._view(self._slot(slot_id))
+        worker = slot.worker
+        said = lines and worker is not None and worker.phase not in ALIVE_PHASES and worker.message
+        try:
+            output = self._runtime.logs(slot.id, lines)
+        except NotFound:
+            if not said:
+                raise
+            output = []  # it never wrote anything (a launch that failed): the agent's word is all
+        if said and worker is not None:
+            # Why the worker is not running (a launch that failed writes nothing of its own): the
+            # agent's word last, marked as such.
+            output = [*output, f"[agent] worker {worker.phase}: {worker.message}"][-lines:]
+        return output
 
     def ready(self) -> bool:
         return self._ready

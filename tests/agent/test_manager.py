@@ -514,7 +514,11 @@ def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     assert view.worker is not None
     assert view.worker.phase == "failed"
     assert view.worker.last_exit.code == 1
-    assert manager.logs(slot.id, 2) == [f"{slot.id} line 0", f"{slot.id} line 1"]
+    assert manager.logs(slot.id, 3) == [
+        f"{slot.id} line 0",
+        f"{slot.id} line 1",
+        "[agent] worker failed: worker exited with status 1",
+    ]
 
 
 def test_stop_worker(make: Any, world: World) -> None:

@@ -144,4 +144,8 @@ def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(dae
     assert worker["phase"] == "failed"
     assert "No such file" in worker["message"]
     assert worker["next_restart_in"] is None  # not retried, whatever its policy
+    answer = client.get("/v1/slots/broken/logs")
+    assert answer.status_code == 200, answer.text
+    logs = answer.json()["lines"]
+    assert logs[-1].startswith("[agent] worker failed: launch failed")
     client.close()
