@@ -515,8 +515,8 @@ def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     assert view.worker.phase == "failed"
     assert view.worker.last_exit.code == 1
     assert manager.logs(slot.id, 3) == [
-        f"{slot.id} line 0",
         f"{slot.id} line 1",
+        f"{slot.id} line 2",
         "[agent] worker failed: worker exited with status 1",
     ]
 
