@@ -168,6 +168,12 @@ class NodeModel(BaseModel):
     started_at: float
     cgroup_mode: str
     degraded: list[str] = Field(description="What this agent cannot isolate on this host, and why.")
+    sandbox: dict[str, Any] | None = Field(
+        default=None,
+        description="The workers' sandbox: enabled (configuration), active (in force here), support (what "
+        "this kernel offers: namespaces, seccomp filter, hidepid, mount_setattr), uid_range, allow_root, "
+        "cgroup_view.",
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agent.sandbox import SandboxConfig
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.network import SlotNetworkConfig
@@ -132,6 +133,7 @@ class AgentConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     #: The file this came from (None: built-in defaults).
     source: str | None = None
 
@@ -173,6 +175,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "gpu": GpuConfig,
     "workers": WorkersConfig,
     "log": LogConfig,
+    "sandbox": SandboxConfig,
 }
 
 
@@ -293,6 +296,10 @@ def _validate(config: AgentConfig) -> None:
     except (InvalidRequest, ValueError) as err:
         raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
     _check_network(config)
+    try:
+        config.sandbox.check()  # its messages name the key (sandbox.uid_range)
+    except ConfigError as err:
+        raise ConfigError(f"{src}: {err}" if src else str(err)) from None
 
 
 def _check_placement(config: AgentConfig) -> None:

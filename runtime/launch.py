@@ -7,10 +7,16 @@ The agent's side of a launch. Layout of a worker's directory (one per slot)::
                                stderr FIFOs (stdout.fifo, stderr.fifo)
     <worker_dir>/logs/         worker.log (stdout and stderr, one time-ordered stream) and its rotations
     <worker_dir>/tmp/          the worker's private TMPDIR
+    <worker_dir>/home/         the worker's HOME when it runs sandboxed under its slot's own uid
+
+With a sandbox the state directory above all this is hidden from the worker; slot.json (read-only),
+tmp/ and home/ (its own, writable) are shown again at the same paths, so the environment names the
+same files inside and outside.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import pwd
@@ -20,6 +26,7 @@ from pathlib import Path
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox.spec import Exposed, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
 
 
@@ -79,20 +86,48 @@ def _private_dir(path: Path, identity: Identity) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         if identity.uid is not None:
+            # Also when it exists: a slot's uid is its own, but a directory left by an earlier
+            # worker of the slot under another identity (a changed spec) must follow.
             os.chown(path, identity.uid, identity.gid if identity.gid is not None else -1)
     except OSError as err:
         raise translate_os_error(f"prepare worker directory {path}", err, KernelError) from err
 
 
+def _sandboxed(sandbox: SandboxSpec, worker_dir: Path) -> tuple[SandboxSpec, Identity]:
+    """The sandbox's identity (the agent chose it), its HOME in the worker directory, and the
+    worker directory's files shown again where the hidden state directory covers them."""
+    home = worker_dir / "home"
+    identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, str(home))
+    _private_dir(home, identity)
+    wanted = (
+        Exposed(str(worker_dir / "slot.json")),
+        Exposed(str(home), writable=True),
+        Exposed(str(worker_dir / "tmp"), writable=True),
+    )
+    hidden = [path.rstrip("/") + "/" for path in sandbox.hide_paths]
+    expose = tuple(e for e in wanted if any(e.path.startswith(h) for h in hidden))
+    return dataclasses.replace(sandbox, expose=(*sandbox.expose, *expose)), identity
+
+
 def build_launch_request(
-    spec: WorkerSpec, slot: SlotDescription, binding: SlotBinding, worker_dir: Path
+    spec: WorkerSpec,
+    slot: SlotDescription,
+    binding: SlotBinding,
+    worker_dir: Path,
+    sandbox: SandboxSpec | None = None,
 ) -> LaunchRequest:
-    """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries out."""
+    """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries
+    out; with ``sandbox`` the worker runs as the sandbox's uid, gid and groups (the request's own
+    user and groups were weighed by the agent when it chose them)."""
     if not spec.command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
         )
-    identity = resolve_identity(spec)
+    worker_dir = Path(os.path.realpath(worker_dir))  # shown again by path inside the sandbox
+    if sandbox is not None:
+        sandbox, identity = _sandboxed(sandbox, worker_dir)
+    else:
+        identity = resolve_identity(spec)
     slot_file = write_slot_file(slot, worker_dir / "slot.json")
     tmpdir = worker_dir / "tmp"
     _private_dir(tmpdir, identity)
@@ -115,4 +150,5 @@ def build_launch_request(
         umask=spec.umask,
         oom_events=binding.oom_events,
         stop_grace_seconds=spec.stop_grace_seconds,
+        sandbox=sandbox,
     )

@@ -280,10 +280,11 @@ def test_only_one_keeper_runs_per_directory(tmp_path, keeper):
 @pytest.mark.root
 def test_a_protocol_mismatch_is_refused_with_what_to_do(tmp_path, keeper, monkeypatch):
     running = current_keeper(tmp_path / "keeper")
-    monkeypatch.setattr(proto, "PROTOCOL", proto.PROTOCOL + 1)
+    spoken = proto.PROTOCOL
+    monkeypatch.setattr(proto, "PROTOCOL", spoken + 1)
     newer = KeeperClient(tmp_path / "keeper")
     try:
-        with pytest.raises(WorkerError, match=rf"speaks protocol 1 .*kill -TERM {running.pid}"):
+        with pytest.raises(WorkerError, match=rf"speaks protocol {spoken} .*kill -TERM {running.pid}"):
             newer.connect()
     finally:
         newer.close()
