@@ -70,7 +70,8 @@ def control_cgroups(name: str) -> Iterator[list[str]]:
             path.mkdir()
             made.append(path)
             for key in ("cpuset.cpus", "cpuset.mems"):
-                if (path / key).exists() and not (path / key).read_text().strip():
+                # v1 needs them set before a task may join; v2's empty values mean the parent's.
+                if (root / key).exists() and (path / key).exists() and not (path / key).read_text().strip():
                     (path / key).write_text((root / key).read_text())
         yield sorted(str(f) for path in made for f in cgroup_files(path))
     finally:
