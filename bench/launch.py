@@ -293,6 +293,7 @@ def report(title: str, times: dict[str, list[float]]) -> dict[str, float]:
 # --- --profile: where the time goes -------------------------------------------------------------------
 
 STAGES = ("agent-request", "agent-send", "child-woke", "child-joined", "child-exec", "agent-done")
+SANDBOX_STAGES = (*STAGES[:4], "child-sandboxed", "child-sealed", *STAGES[4:])
 
 
 def profile(runs: int, gap: float, work: Path) -> None:
@@ -300,12 +301,18 @@ def profile(runs: int, gap: float, work: Path) -> None:
     trace = work / "trace"
     os.environ["NODEAGENT_LAUNCH_TRACE"] = str(trace)
     try:
+        sandbox = SandboxSpec(uid=NOBODY, gid=NOBODY, hide_paths=(str(work),))
         with keeper_in(work) as keeper:
-            for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
-                launch = nodeagent_launcher(keeper, work, regime)
+            for regime, pause, spec in (
+                ("back-to-back", 0.0, None),
+                ("fresh", gap, None),
+                ("sandboxed back-to-back", 0.0, sandbox),
+                ("sandboxed fresh", gap, sandbox),
+            ):
+                launch = nodeagent_launcher(keeper, work, regime.replace(" ", "_"), spec)
                 for index in range(runs + 1):
                     time_once(launch, f"natest{os.getpid()}-profile-{index}", pause)
-                print_stages(regime, trace)
+                print_stages(regime, trace, SANDBOX_STAGES if spec else STAGES)
     finally:
         del os.environ["NODEAGENT_LAUNCH_TRACE"]
     for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
@@ -315,18 +322,18 @@ def profile(runs: int, gap: float, work: Path) -> None:
             print(f"  join alone, {regime:<12} via {label:<13} median {statistics.median(values):6.3f} ms")
 
 
-def print_stages(regime: str, trace: Path) -> None:
+def print_stages(regime: str, trace: Path, stages: tuple[str, ...] = STAGES) -> None:
     stamps: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for line in trace.read_text().splitlines():
         launch_id, stage, ns = line.split()
-        if launch_id.startswith(regime + "-"):
+        if launch_id.startswith(regime.replace(" ", "_") + "-"):
             stamps[launch_id][stage] = int(ns)
-    complete = [s for s in stamps.values() if len(s) == len(STAGES)][1:]  # the first one warms up
+    complete = [s for s in stamps.values() if len(s) == len(stages)][1:]  # the first one warms up
     print(f"\nprofile, {regime} ({len(complete)} launches): median ms per stage")
-    for start, end in itertools.pairwise(STAGES):
+    for start, end in itertools.pairwise(stages):
         values = [(s[end] - s[start]) / 1e6 for s in complete]
         print(f"  {start + ' -> ' + end:<32} {statistics.median(values):6.3f}")
-    total = [(s[STAGES[-1]] - s[STAGES[0]]) / 1e6 for s in complete]
+    total = [(s[stages[-1]] - s[stages[0]]) / 1e6 for s in complete]
     print(f"  {'total':<32} {statistics.median(total):6.3f}")
 
 

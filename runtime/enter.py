@@ -220,10 +220,12 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
         argv = req.argv
         if req.sandbox is not None:
             argv = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd))
+            trace.stamp(req.launch_id, "child-sandboxed")
         step = "set uid/gid/groups"
         drop_privileges(req.uid, req.gid, req.groups)
         if req.sandbox is not None:
             sandbox.seal_sandbox(req.sandbox)  # capabilities, no_new_privs, seccomp: last before exec
+            trace.stamp(req.launch_id, "child-sealed")
         elif req.no_new_privs:
             step = "prctl(PR_SET_NO_NEW_PRIVS)"
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
