@@ -24,6 +24,8 @@ from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.daemon import build_manager
 from nodeagent.agent.manager import SlotManager
 from nodeagent.devices.discovery import discover
+from nodeagent.runtime.sandbox import probe
+from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES, capability_mask
 from nodeagent.schema.request import parse_slot_request
 from tests.escape.harness import config_for, free_port, tear_down
 from tests.workerpy import make_venv, world_python
@@ -31,6 +33,7 @@ from tests.workerpy import make_venv, world_python
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 MLSERVER = "mlserver==1.7.1"
+SUPPORT = probe()
 #: A model MLServer loads from Python code: doubles its FP32 input (no weights, no model hub).
 MODEL = """
 import numpy as np
@@ -52,8 +55,10 @@ class Doubler(MLModel):
 
 
 @pytest.fixture
-def manager(tmp_path: Path) -> Iterator[tuple[SlotManager, AgentConfig]]:
-    cfg = config_for(tmp_path, "w")
+def manager(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[SlotManager, AgentConfig]]:
+    """A manager whose [sandbox] section is the test's ``sandbox`` marker's, if any."""
+    marker = request.node.get_closest_marker("sandbox")
+    cfg = config_for(tmp_path, "w", marker.kwargs if marker else None)
     made = build_manager(cfg, discover(gpus=False, fpgas=False))
     made.start(supervise=False)
     try:
@@ -104,6 +109,108 @@ def test_an_exec_probe_runs_inside_its_workers_sandbox(manager: tuple[SlotManage
     worker = wait_for_phase(slots, slot.id, "running", timeout=30)
     assert worker["pid"]
     slots.release(slot.id)
+
+
+ROOT_WORKER = """
+echo "pid=$$ uid=$(id -u)"
+grep -E '^CapEff' /proc/self/status
+touch /etc/natest-root-probe 2>/dev/null && echo "root fs writable" || echo "root fs read-only"
+touch /tmp/ready
+exec sleep 300
+"""
+
+
+@pytest.mark.sandbox(allow_root=True)
+def test_an_opted_in_root_worker_is_still_confined(manager: tuple[SlotManager, AgentConfig]) -> None:
+    slots, _ = manager
+    slot = slots.allocate(
+        parse_slot_request(
+            {
+                "name": "rooted",
+                "qos": "burstable",
+                "resources": {"cpus": 0.2, "memory": "64Mi"},
+                "worker": {
+                    "user": "root",
+                    "command": ["/bin/sh", "-c", ROOT_WORKER],
+                    # Passes only inside the worker's pid namespace (small pids) and its own /tmp.
+                    "readiness": {
+                        "exec": {"argv": ["/bin/sh", "-c", "test -f /tmp/ready && test $$ -lt 100"]},
+                        "period_seconds": 0.2,
+                    },
+                    "stop_grace_seconds": 1,
+                },
+            }
+        )
+    ).slot
+    worker = wait_for_phase(slots, slot.id, "running", timeout=30)
+    lines = slots.logs(slot.id, 10)
+    # The shell is PID 2 of its own namespace (dumb-init is 1), root there and only there.
+    assert "pid=2 uid=0" in lines
+    keep = capability_mask(ROOT_CAPABILITIES)
+    assert f"CapEff:\t{keep:016x}" in lines
+    assert "root fs read-only" in lines
+    assert not Path("/etc/natest-root-probe").exists()
+    # On the host the worker's main process is dumb-init, a child of the keeper.
+    host_status = Path(f"/proc/{worker['pid']}/status").read_text()
+    assert "dumb-init" in Path(f"/proc/{worker['pid']}/cmdline").read_text()
+    assert int(host_status.split("CapEff:")[1].split()[0], 16) == keep
+    slots.release(slot.id)
+
+
+@pytest.mark.sandbox(
+    allow_named_users=True, allowed_syscalls=["unshare"], allowed_capabilities=["NET_BIND_SERVICE"]
+)
+def test_named_users_and_opt_outs_take_effect_only_when_asked(
+    manager: tuple[SlotManager, AgentConfig],
+) -> None:
+    slots, _ = manager
+    show = (
+        "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+        "caps = [l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1]; "
+        "print('uid', os.getuid(), 'caps', caps, 'unshare', libc.unshare(0x10000000), ctypes.get_errno(), "
+        "flush=True); "
+        "os.execv('/bin/sleep', ['sleep', '300'])"
+    )
+
+    def start(name: str, **fields: object) -> list[str]:
+        slot = slots.allocate(
+            parse_slot_request(
+                {
+                    "name": name,
+                    "qos": "burstable",
+                    "resources": {"cpus": 0.1, "memory": "64Mi"},
+                    "worker": {"command": [world_python(), "-c", show], "stop_grace_seconds": 1, **fields},
+                }
+            )
+        ).slot
+        lines = wait_until_logged(slots, slot.id)
+        slots.release(slot.id)
+        return lines[0].split()
+
+    # Confined: the slot's uid, no capabilities, unshare(CLONE_NEWUSER) refused by seccomp (EPERM).
+    plain = start("plain")
+    uid, caps, result, err = int(plain[1]), int(plain[3], 16), int(plain[5]), int(plain[6])
+    assert 600000 <= uid <= 665535
+    assert (caps, result, err) == (0, -1, 1)
+    # The same worker as a named host user, keeping NET_BIND_SERVICE, allowed unshare.
+    opened = start(
+        "opened",
+        user="nobody",
+        sandbox={"allow_syscalls": ["unshare"], "capabilities": ["NET_BIND_SERVICE"]},
+    )
+    uid, caps, result = int(opened[1]), int(opened[3], 16), int(opened[5])
+    assert uid == 65534
+    assert caps == 1 << 10  # CAP_NET_BIND_SERVICE, nothing else
+    if SUPPORT.user_namespaces:
+        assert result == 0  # the filter let it through, and an unprivileged user may make a user namespace
+
+
+def wait_until_logged(slots: SlotManager, slot_id: str, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not (lines := slots.logs(slot_id, 10)):
+        assert time.monotonic() < deadline, f"{slot_id} printed nothing: {slots.get_slot(slot_id).worker}"
+        time.sleep(0.05)
+    return lines
 
 
 @pytest.fixture(scope="session")

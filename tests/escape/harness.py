@@ -88,18 +88,19 @@ def control_cgroups(name: str) -> Iterator[list[str]]:
                     time.sleep(0.02)
 
 
-def config_for(tmp_path: Path, tag: str) -> AgentConfig:
+def config_for(tmp_path: Path, tag: str, sandbox: dict[str, Any] | None = None) -> AgentConfig:
     pid = os.getpid()
     cfg = apply_overrides(
         parse_config(
             {
+                "sandbox": sandbox or {},
                 "isolation": {
                     "cgroup_parent": f"natest{pid}{tag}.slice",
                     "firewall_table": f"natest{pid}{tag}",
                     "netns_prefix": f"nx{pid}-",
                     "veth_prefix": "ntx",
                     "pids_max": PIDS_MAX,
-                }
+                },
             }
         ),
         state_dir=tmp_path / "state",
