@@ -108,6 +108,14 @@ def test_an_exec_probe_runs_inside_its_workers_sandbox(manager: tuple[SlotManage
     assert os.system(probe) != 0  # the control: the same check from the agent fails
     worker = wait_for_phase(slots, slot.id, "running", timeout=30)
     assert worker["pid"]
+    # Probe after probe ends only its own process group, never the slot it runs in.
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        slots.tick()
+        time.sleep(0.1)
+    again = slots.get_slot(slot.id).worker
+    assert again is not None
+    assert (again.phase, again.pid, again.restarts) == ("running", worker["pid"], 0)
     slots.release(slot.id)
 
 
