@@ -8,6 +8,7 @@ install fails the test rather than skipping it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.daemon import build_manager
 from nodeagent.agent.manager import SlotManager
 from nodeagent.devices.discovery import discover
+from nodeagent.errors import NotFound
 from nodeagent.runtime.sandbox import probe
 from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES, capability_mask
 from nodeagent.schema.request import parse_slot_request
@@ -215,10 +217,12 @@ def test_named_users_and_opt_outs_take_effect_only_when_asked(
 
 def wait_until_logged(slots: SlotManager, slot_id: str, timeout: float = 20) -> list[str]:
     deadline = time.monotonic() + timeout
-    while not (lines := slots.logs(slot_id, 10)):
+    while True:
+        with contextlib.suppress(NotFound):  # the keeper makes the log once it takes custody
+            if lines := slots.logs(slot_id, 10):
+                return lines
         assert time.monotonic() < deadline, f"{slot_id} printed nothing: {slots.get_slot(slot_id).worker}"
         time.sleep(0.05)
-    return lines
 
 
 @pytest.fixture(scope="session")
