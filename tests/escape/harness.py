@@ -25,6 +25,7 @@ from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_
 from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
+from nodeagent.errors import NotFound
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
@@ -243,16 +244,14 @@ def start_slots(cfg: AgentConfig, *, network: bool, litter: str, host_port: int)
 
 
 def sandboxed_run(slots: Slots) -> Run:
-    lines = wait_until(
-        "the escaping worker's verdicts",
-        lambda: (
-            (out := slots.manager.logs("escaper", 500))
-            and any(line.endswith("READY") for line in out)
-            and out
-        ),
-        timeout=60,
-    )
-    return Run.parse(lines)
+    def finished() -> list[str] | None:
+        try:
+            out = slots.manager.logs("escaper", 500)
+        except NotFound:
+            return None  # the keeper makes the log once it takes custody of the worker
+        return out if any(line.endswith("READY") for line in out) else None
+
+    return Run.parse(wait_until("the escaping worker's verdicts", finished, timeout=60))
 
 
 def kill_escaper(slots: Slots) -> int:
