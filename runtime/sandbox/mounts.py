@@ -350,7 +350,9 @@ def _same_node(path: str, kind: int, major: int, minor: int) -> bool:
 def open_exposed(expose: Sequence[tuple[str, bool]]) -> dict[str, tuple[int, bool]]:
     """O_PATH descriptors on the host's ``(path, writable)`` pairs to show again inside hidden
     directories, taken before any mount covers them (the private /tmp covers a state directory
-    under /tmp before the hiding step). The caller closes them (:func:`close_exposed`)."""
+    under /tmp before the hiding step). Opened after unshare(CLONE_NEWNS): a bind mount's source
+    must be a mount of the caller's own namespace (EINVAL otherwise). The caller closes them
+    (:func:`close_exposed`)."""
     handles: dict[str, tuple[int, bool]] = {}
     try:
         for path, writable in expose:
