@@ -7,11 +7,18 @@ environment. The child and the keeper never look anything up; they only carry it
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.runtime.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from nodeagent.runtime.sandbox.spec import SandboxSpec
+
+
+@functools.lru_cache(maxsize=256)
+def _sandbox_json(spec: SandboxSpec) -> dict[str, Any]:
+    """A spec's JSON form; never changed by its users (they only serialise it)."""
+    return spec.to_json()
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,12 @@ class LaunchRequest:
     end_slot_on_exit: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Shallow (json.dumps reads tuples as lists), and the sandbox's form computed once per spec:
+        # dataclasses.asdict's deep copy of a sandboxed request cost ~0.1 ms on every launch.
+        body = {name: getattr(self, name) for name in _FIELDS}
+        if self.sandbox is not None:
+            body["sandbox"] = _sandbox_json(self.sandbox)
+        return body
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> LaunchRequest:
@@ -68,3 +80,6 @@ class LaunchRequest:
         if fixed.get("sandbox") is not None:
             fixed["sandbox"] = SandboxSpec.from_json(fixed["sandbox"])
         return cls(**fixed)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchRequest))

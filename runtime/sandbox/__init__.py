@@ -105,6 +105,7 @@ def warm_up(specs: tuple[SandboxSpec, ...] = ()) -> None:
     redo: read cap_last_cap and assemble the seccomp filters, for ``specs`` and the default."""
     _last_capability()
     _filter("default", ())
+    seccomp.restricted_syscalls("default")
     for spec in specs:
         _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
 
