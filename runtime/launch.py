@@ -2,16 +2,18 @@
 
 The agent's side of a launch. Layout of a worker's directory (one per slot)::
 
-    <worker_dir>/slot.json     the slot description (NODEAGENT_SLOT_FILE)
     <worker_dir>/run/          the keeper's state file (worker.json) and the worker's stdout and
                                stderr FIFOs (stdout.fifo, stderr.fifo)
     <worker_dir>/logs/         worker.log (stdout and stderr, one time-ordered stream) and its rotations
-    <worker_dir>/tmp/          the worker's private TMPDIR
-    <worker_dir>/home/         the worker's HOME when it runs sandboxed under its slot's own uid
+    <worker_dir>/view/         what the worker sees of it (root's, 0755):
+    <worker_dir>/view/slot.json   the slot description (NODEAGENT_SLOT_FILE), root's, 0644
+    <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700)
+    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700)
 
-With a sandbox the state directory above all this is hidden from the worker; slot.json (read-only),
-tmp/ and home/ (its own, writable) are shown again at the same paths, so the environment names the
-same files inside and outside.
+With a sandbox the state directory above all this is hidden from the worker, and ``view/`` alone is
+shown again at the same path (one bind mount: the environment names the same files inside and
+outside). The worker can write in its own tmp/ and home/ only, never replace the slot file, and
+never reach run/ or logs/, which hold what the keeper trusts about it.
 """
 
 from __future__ import annotations
@@ -93,20 +95,16 @@ def _private_dir(path: Path, identity: Identity) -> None:
         raise translate_os_error(f"prepare worker directory {path}", err, KernelError) from err
 
 
-def _sandboxed(sandbox: SandboxSpec, worker_dir: Path) -> tuple[SandboxSpec, Identity]:
-    """The sandbox's identity (the agent chose it), its HOME in the worker directory, and the
-    worker directory's files shown again where the hidden state directory covers them."""
-    home = worker_dir / "home"
+def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]:
+    """The sandbox's identity (the agent chose it), its HOME, and the worker directory's view
+    shown again where the hidden state directory covers it."""
+    home = view / "home"
     identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, str(home))
     _private_dir(home, identity)
-    wanted = (
-        Exposed(str(worker_dir / "slot.json")),
-        Exposed(str(home), writable=True),
-        Exposed(str(worker_dir / "tmp"), writable=True),
-    )
     hidden = [path.rstrip("/") + "/" for path in sandbox.hide_paths]
-    expose = tuple(e for e in wanted if any(e.path.startswith(h) for h in hidden))
-    return dataclasses.replace(sandbox, expose=(*sandbox.expose, *expose)), identity
+    if not any(str(view).startswith(h) for h in hidden):
+        return sandbox, identity  # not hidden: nothing to show again
+    return dataclasses.replace(sandbox, expose=(*sandbox.expose, Exposed(str(view), writable=True))), identity
 
 
 def build_launch_request(
@@ -124,12 +122,18 @@ def build_launch_request(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
         )
     worker_dir = Path(os.path.realpath(worker_dir))  # shown again by path inside the sandbox
+    view = worker_dir / "view"
+    try:
+        view.mkdir(parents=True, exist_ok=True, mode=0o755)
+        view.chmod(0o755)  # root's: the worker may not replace what is in it
+    except OSError as err:
+        raise translate_os_error(f"prepare worker directory {view}", err, KernelError) from err
     if sandbox is not None:
-        sandbox, identity = _sandboxed(sandbox, worker_dir)
+        sandbox, identity = _sandboxed(sandbox, view)
     else:
         identity = resolve_identity(spec)
-    slot_file = write_slot_file(slot, worker_dir / "slot.json")
-    tmpdir = worker_dir / "tmp"
+    slot_file = write_slot_file(slot, view / "slot.json")
+    tmpdir = view / "tmp"
     _private_dir(tmpdir, identity)
     env = worker_environment(slot, slot_file, spec.env, home=identity.home, tmpdir=str(tmpdir))
     return LaunchRequest(

@@ -4,12 +4,11 @@
 is the real one: workers launched through the host keeper (keeper.py, reached through
 keeper_client.py), one directory per slot under ``workers_dir``::
 
-    <workers_dir>/<slot id>/slot.json   the slot description (NODEAGENT_SLOT_FILE)
+    <workers_dir>/<slot id>/view/       what the worker sees: slot.json (NODEAGENT_SLOT_FILE), its
+                                        TMPDIR (tmp/) and, sandboxed, its HOME (home/)
     <workers_dir>/<slot id>/run/        the keeper's state file (how :meth:`readopt` finds the
                                         worker) and the worker's stdout/stderr FIFOs
     <workers_dir>/<slot id>/logs/       worker.log: stdout and stderr in one time-ordered stream
-    <workers_dir>/<slot id>/tmp/        the worker's TMPDIR
-    <workers_dir>/<slot id>/home/       the worker's HOME (sandboxed workers)
     <workers_dir>/<slot id>/probe/      the run directory and log of its exec probes
 
 The keeper's own directory (socket, lock, log, custody links) is ``keeper_dir``, by default
