@@ -147,6 +147,12 @@ class SlotModel(BaseModel):
     cgroup: str | None
     network: dict[str, Any] | None
     worker: dict[str, Any] | None = Field(description="phase, pid, restarts, last exit, message")
+    sandbox: dict[str, Any] | None = Field(
+        default=None,
+        description="The uid and gid the slot's sandboxed workers run as (its own, from [sandbox] "
+        "uid_range); "
+        "null before its first worker, or without a sandbox.",
+    )
     reason: str | None = Field(description="Why it failed, when state is failed.")
     created_at: float
     updated_at: float

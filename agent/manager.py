@@ -691,7 +691,12 @@ class SlotManager:
         else:
             stored = self._store.get_worker(slot.id)
             status = None if stored is None else stored.status
-        return dataclasses.replace(slot, worker=status)
+        uid = (
+            self._store.get_sandbox_uid(slot.id)
+            if self._sandbox is not None and self._sandbox.active
+            else None
+        )
+        return dataclasses.replace(slot, worker=status, sandbox_uid=uid)
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):

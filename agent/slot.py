@@ -53,6 +53,9 @@ class Slot:
     updated_at: float = 0.0
     #: The worker's live status; set on slots read through the service, None without a worker.
     worker: WorkerStatus | None = None
+    #: The slot's own uid for its sandboxed workers, once it has one; set on slots read through
+    #: the service (the state store keeps it in a table of its own).
+    sandbox_uid: int | None = None
 
     @property
     def qos(self) -> QoS:
@@ -83,6 +86,9 @@ class Slot:
             "cgroup": self.cgroup,
             "network": None if self.network is None else self.network.to_json(),
             "worker": None if self.worker is None else self.worker.to_json(),
+            "sandbox": None
+            if self.sandbox_uid is None
+            else {"uid": self.sandbox_uid, "gid": self.sandbox_uid},
             "reason": self.reason,
             "created_at": self.created_at,
             "updated_at": self.updated_at,

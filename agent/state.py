@@ -425,6 +425,10 @@ class StateStore:
             self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
             return uid
 
+    def get_sandbox_uid(self, slot_id: str) -> int | None:
+        rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
+        return int(rows[0][0]) if rows else None
+
     def sandbox_uids(self) -> dict[str, int]:
         """Every slot's uid (slot id -> uid)."""
         return {str(r[0]): int(r[1]) for r in self._read("SELECT slot_id, uid FROM sandbox_ids")}

@@ -245,6 +245,7 @@ def check_confined(slot: dict[str, Any]) -> int:
     # Sandboxed by default: the slot's own uid (no capabilities), from the configured range.
     uid = int(proc_status(pid, "Uid").split()[0])
     assert 600000 <= uid <= 665535, f"worker {pid} runs as uid {uid}"
+    assert slot["sandbox"] == {"uid": uid, "gid": uid}, slot["sandbox"]  # what the API says it is
     assert int(proc_status(pid, "CapEff"), 16) == 0
     assert proc_status(pid, "Seccomp") == "2"
     assert env.get("OMP_NUM_THREADS") == str(len(cpus)) == "1"
