@@ -150,8 +150,7 @@ class SlotModel(BaseModel):
     sandbox: dict[str, Any] | None = Field(
         default=None,
         description="The uid and gid the slot's sandboxed workers run as (its own, from [sandbox] "
-        "uid_range); "
-        "null before its first worker, or without a sandbox.",
+        "uid_range); null before its first worker, or without a sandbox.",
     )
     reason: str | None = Field(description="Why it failed, when state is failed.")
     created_at: float

@@ -163,6 +163,9 @@ _UPDATED_SLOT_COLUMNS = (
 )
 
 
+
+
+
 @dataclass(frozen=True)
 class EventRecord:
     id: int
