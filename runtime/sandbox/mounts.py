@@ -405,12 +405,23 @@ def hide(paths: Iterable[str], exposed: Mapping[str, tuple[int, bool]] | None = 
     return hidden
 
 
+def _traverse_only_dirs(path: str) -> None:
+    """Make ``path`` and its missing parents 0711 each (os.makedirs gives its mode to the last one
+    only): the worker passes through to what it was given and lists none of them."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.mkdir(directory, 0o711)
+
+
 def _place(path: str, fd: int, writable: bool) -> None:
     """A mount point at ``path`` (and traverse-only directories above it where missing), and the
     host's file or directory behind ``fd`` bound on it."""
     umask = os.umask(0)  # the modes asked for, whatever the launching process's umask
     try:
-        os.makedirs(os.path.dirname(path), mode=0o711, exist_ok=True)
+        _traverse_only_dirs(os.path.dirname(path))
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o711)
