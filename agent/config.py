@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.agent.sandbox import SandboxConfig
+from nodeagent.agent.sandbox_config import SandboxConfig
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.network import SlotNetworkConfig

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agent.sandbox_config import DEFAULT_UID_RANGE, SandboxConfig
 from nodeagent.devices.pci import device_node_info
-from nodeagent.errors import ConfigError, InvalidRequest, NodeAgentError, Unsupported
+from nodeagent.errors import InvalidRequest, NodeAgentError, Unsupported
 from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.launch import resolve_identity
 from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, SandboxSupport, missing_for, probe
@@ -40,92 +41,7 @@ from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES
 from nodeagent.schema.quantity import parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
-#: systemd's DynamicUser range (61184-65519) is too small for a host of slots and may be in use;
-#: this one is above the usual login and container ranges and below 2^31.
-DEFAULT_UID_RANGE = "600000-665535"
-CGROUP_VIEWS = ("read-only", "namespace")
-_MIN_DYNAMIC_UID = 1000
 _MAX_UID = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    """``[sandbox]``: every key is documented in docs/configuration.md."""
-
-    #: false switches the sandbox off for this host (unsafe: workers then run as the agent's
-    #: user, root, with every capability, unless their request names another).
-    enabled: bool = True
-    #: uids (and gids of the same numbers) the agent gives slots, one each: "FIRST-LAST".
-    uid_range: str = DEFAULT_UID_RANGE
-    #: Whether a request may run its worker as root (worker.user 0 or "root").
-    allow_root: bool = False
-    #: Whether a request may name a host user or groups (worker.user, group, supplementary_groups).
-    allow_named_users: bool = False
-    #: Syscalls denied by the default seccomp profile that a request may ask for (allow_syscalls).
-    allowed_syscalls: tuple[str, ...] = ()
-    #: Capabilities a request may keep (worker.sandbox.capabilities).
-    allowed_capabilities: tuple[str, ...] = ()
-    #: Whether a request may turn the seccomp filter off (worker.sandbox.seccomp "unconfined").
-    allow_unconfined_seccomp: bool = False
-    #: Default sizes of the private /tmp and /dev/shm (a request may set its own).
-    tmp_size: str = "256Mi"
-    shm_size: str = "64Mi"
-    #: "read-only": the host's /sys/fs/cgroup, read-only; "namespace": only the slot's own subtree.
-    cgroup_view: str = "read-only"
-    #: More host paths to hide from every worker (the state directory and tokens always are).
-    hide_paths: tuple[str, ...] = ()
-
-    def uid_bounds(self) -> tuple[int, int]:
-        first, sep, last = self.uid_range.partition("-")
-        if not sep or not first.strip().isdigit() or not last.strip().isdigit():
-            raise ConfigError(
-                f"sandbox.uid_range is {self.uid_range!r}; expected FIRST-LAST, e.g. {DEFAULT_UID_RANGE}"
-            )
-        low, high = int(first), int(last)
-        if not _MIN_DYNAMIC_UID <= low <= high <= _MAX_UID:
-            raise ConfigError(
-                f"sandbox.uid_range is {self.uid_range!r}; expected {_MIN_DYNAMIC_UID} <= FIRST <= LAST "
-                f"<= {_MAX_UID} (below 1000 are the host's system users)"
-            )
-        return low, high
-
-    def check(self) -> None:
-        """ConfigError naming the key of the first bad value."""
-        self.uid_bounds()
-        restricted = restricted_syscalls("default")
-        for name in self.allowed_syscalls:
-            if name not in restricted:
-                raise ConfigError(
-                    f"sandbox.allowed_syscalls: {name!r} is not denied by the default seccomp profile; "
-                    f"list only calls it denies: {', '.join(sorted(restricted))}"
-                )
-        for name in self.allowed_capabilities:
-            bare = name.upper().removeprefix("CAP_")
-            if bare not in CAPABILITY_NAMES:
-                raise ConfigError(f"sandbox.allowed_capabilities: unknown capability {name!r}")
-            if bare in NEVER_FOR_ROOT:
-                raise ConfigError(
-                    f"sandbox.allowed_capabilities: {bare} undoes the slot as a boundary and is never "
-                    f"given to a worker (never: {', '.join(NEVER_FOR_ROOT)})"
-                )
-        for key in ("tmp_size", "shm_size"):
-            try:
-                size = parse_quantity(getattr(self, key))
-            except ValueError as err:
-                raise ConfigError(f"sandbox.{key}: {err}") from None
-            if size < 4096:
-                raise ConfigError(
-                    f"sandbox.{key} is {getattr(self, key)!r}; a tmpfs needs at least 4096 bytes"
-                )
-        if self.cgroup_view not in CGROUP_VIEWS:
-            raise ConfigError(
-                f"sandbox.cgroup_view is {self.cgroup_view!r}; expected one of {', '.join(CGROUP_VIEWS)}"
-            )
-        for path in self.hide_paths:
-            if not path.startswith("/") or os.path.normpath(path) != path or path == "/":
-                raise ConfigError(
-                    f"sandbox.hide_paths: {path!r} must be a normalised absolute path other than /"
-                )
 
 
 def default_init() -> str | None:
