@@ -147,6 +147,11 @@ class SlotModel(BaseModel):
     cgroup: str | None
     network: dict[str, Any] | None
     worker: dict[str, Any] | None = Field(description="phase, pid, restarts, last exit, message")
+    sandbox: dict[str, Any] | None = Field(
+        default=None,
+        description="The uid and gid the slot's sandboxed workers run as (its own, from [sandbox] "
+        "uid_range); null before its first worker, or without a sandbox.",
+    )
     reason: str | None = Field(description="Why it failed, when state is failed.")
     created_at: float
     updated_at: float
@@ -185,6 +190,12 @@ class NodeModel(BaseModel):
             "`last` pass: exclusive and host CPUs, items `moved` and `confined` by kind, what is "
             "`immovable` and why, `problems`, `warnings`; `error` if the last pass failed."
         ),
+    )
+    sandbox: dict[str, Any] | None = Field(
+        default=None,
+        description="The workers' sandbox: enabled (configuration), active (in force here), support (what "
+        "this kernel offers: namespaces, seccomp filter, hidepid, mount_setattr), uid_range, allow_root, "
+        "cgroup_view.",
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agent.sandbox_config import SandboxConfig
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.defaults import DEFAULT_LISTEN, TOKEN_FILE_NAME, default_state_dir
 from nodeagent.errors import ConfigError, InvalidRequest
@@ -141,6 +142,7 @@ class AgentConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     #: The file this came from (None: built-in defaults).
     source: str | None = None
 
@@ -182,6 +184,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "gpu": GpuConfig,
     "workers": WorkersConfig,
     "log": LogConfig,
+    "sandbox": SandboxConfig,
 }
 
 
@@ -300,6 +303,10 @@ def _validate(config: AgentConfig) -> None:
         validate_parts(config.isolation.host_partitioning_parts)
     except ConfigError as err:
         raise ConfigError(f"{_where(src, 'isolation.host_partitioning_parts')}: {err}") from None
+    try:
+        config.sandbox.check()  # its messages name the key (sandbox.uid_range)
+    except ConfigError as err:
+        raise ConfigError(f"{src}: {err}" if src else str(err)) from None
 
 
 def _check_placement(config: AgentConfig) -> None:

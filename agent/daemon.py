@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
+from nodeagent.agent.sandbox import SandboxPolicy
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
@@ -279,7 +280,17 @@ def build_manager(
         tick_seconds=config.workers.tick_seconds,
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
+        sandbox=build_sandbox(config, can_isolate=isolation.isolates),
     )
+
+
+def build_sandbox(config: AgentConfig, *, can_isolate: bool) -> SandboxPolicy:
+    """The workers' sandbox policy: the state directory (database, API token, keeper, every slot's
+    files) and the token files hidden from every worker."""
+    hidden = [config.state_dir, config.token_path]
+    if config.controller.token_file:
+        hidden.append(Path(config.controller.token_file))
+    return SandboxPolicy.for_host(config.sandbox, hidden, can_isolate=can_isolate)
 
 
 def controller_token(config: AgentConfig) -> str | None:
@@ -461,6 +472,7 @@ __all__ = [
     "build_host",
     "build_isolation",
     "build_manager",
+    "build_sandbox",
     "controller_token",
     "ensure_state_dir",
     "ensure_token",

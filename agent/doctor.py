@@ -65,6 +65,13 @@ def _default_firewall_probe() -> str | None:
     return NftFirewall().problem()
 
 
+def _default_sandbox_probe() -> dict[str, str]:
+    """Try each piece of the worker sandbox in a forked child (runtime.sandbox.probe_live)."""
+    from nodeagent.runtime.sandbox import probe_live  # noqa: PLC0415 - forks; only here
+
+    return probe_live()
+
+
 @dataclass(frozen=True)
 class HostRoots:
     """Where the host's interfaces are, plus the probes that go beyond reading files."""
@@ -76,6 +83,7 @@ class HostRoots:
     euid: int = field(default_factory=os.geteuid)
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
     firewall_probe: Callable[[], str | None] = _default_firewall_probe
+    sandbox_probe: Callable[[], dict[str, str]] = _default_sandbox_probe
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
@@ -263,6 +271,36 @@ def check_network_firewall(roots: HostRoots) -> Check:
             "refused, or run unfiltered with [isolation] allow_unfiltered_network = true",
         )
     return Check(name, "OK", "nftables (libnftables JSON API): the kernel accepts the slot rules (dry run)")
+
+
+def check_sandbox(roots: HostRoots) -> Check:
+    """The worker sandbox (namespaces, private mounts, hidepid, seccomp): what the kernel offers
+    (files under /proc) and, as root, what really works (each piece tried in a forked child)."""
+    from nodeagent.runtime.sandbox import probe  # noqa: PLC0415
+
+    name = "worker sandbox"
+    support = probe(roots.proc)
+    if roots.euid != 0:
+        return Check(name, "WARN", "not root: workers run unconfined", "run the agent as root")
+    missing = [n for n in ("mount", "ipc", "uts", "pid", "cgroup") if n not in support.namespaces]
+    if not support.seccomp_filter:
+        missing.append("seccomp filter mode")
+    if not support.hidepid:
+        missing.append(f"hidepid on a private /proc (Linux 5.8+, this is {support.kernel})")
+    failed = {piece: result for piece, result in roots.sandbox_probe().items() if result != "ok"}
+    detail = f"namespaces {', '.join(sorted(support.namespaces))}; seccomp filter; hidepid; " + (
+        "mount_setattr" if support.mount_setattr else "read-only by remount (no mount_setattr)"
+    )
+    if missing or failed:
+        problems = missing + [f"{piece}: {result}" for piece, result in failed.items()]
+        return Check(
+            name,
+            "WARN",
+            f"degraded: {'; '.join(problems)}",
+            "a newer kernel (5.8+), or a container runtime that allows namespaces and seccomp; until "
+            "then workers that need a missing piece are refused, or set [sandbox] enabled = false (unsafe)",
+        )
+    return Check(name, "OK", f"tried live: {detail}")
 
 
 def _effective_caps(roots: HostRoots) -> int:
@@ -637,6 +675,7 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
         ]
     checks.append(_guarded("network namespaces", lambda: check_network_namespaces(roots)))
     checks.append(_guarded("network firewall", lambda: check_network_firewall(roots)))
+    checks.append(_guarded("worker sandbox", lambda: check_sandbox(roots)))
     try:
         checks += check_gpus(roots)
     except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing

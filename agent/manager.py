@@ -57,6 +57,7 @@ from typing import Any
 
 from nodeagent import __version__
 from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
+from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
@@ -155,10 +156,11 @@ class SlotManager:
         recovery: RecoveryMode = RecoveryMode.REFUSE,
         clock: Callable[[], float] = time.time,
         host: HostPartitioning | None = None,
+        sandbox: SandboxPolicy | None = None,
     ) -> None:
         """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
-        neither)."""
+        neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -168,6 +170,7 @@ class SlotManager:
         self._allow_unisolated = allow_unisolated
         self._recovery = recovery
         self._clock = clock
+        self._sandbox = sandbox
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -229,8 +232,9 @@ class SlotManager:
             agent_version=__version__,
             started_at=self._started_at,
             cgroup_mode=self._isolation.cgroup_mode,
-            degraded=self._isolation.degraded(),
             host_partitioning=None if self._host is None else self._host.status(),
+            degraded=self._isolation.degraded() + (self._sandbox.degraded() if self._sandbox else ()),
+            sandbox=None if self._sandbox is None else self._sandbox.to_json(),
         )
 
     def topology(self) -> Topology:
@@ -296,6 +300,8 @@ class SlotManager:
     def allocate(self, req: SlotRequest) -> AllocateResult:
         if req.worker is not None:
             resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
+            if self._sandbox is not None:
+                self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -500,6 +506,8 @@ class SlotManager:
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
             resolve(body)
+            if self._sandbox is not None:
+                self._sandbox.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             self._store.check_space()
@@ -545,7 +553,15 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
-        return self._runtime.supervisor(description, slot.applied, resolve(spec))
+        resolved = resolve(spec)
+        sandbox = None
+        if self._sandbox is not None and self._sandbox.active:
+            # The slot's own uid, kept in the database while the slot exists (freed with its row).
+            uid = self._store.sandbox_uid(slot.id, *self._sandbox.config.uid_bounds(), taken_by_host)
+            isolated = isolation_spec(slot, self._topology)
+            devices = slot_device_paths(isolated.device_paths, isolated.gpu)
+            sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
+        return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
 
     # ------------------------------------------------------------------ supervision
 
@@ -736,7 +752,12 @@ class SlotManager:
         else:
             stored = self._store.get_worker(slot.id)
             status = None if stored is None else stored.status
-        return dataclasses.replace(slot, worker=status, foreign_cpu=self._foreign_cpu(slot))
+        uid = (
+            self._store.get_sandbox_uid(slot.id)
+            if self._sandbox is not None and self._sandbox.active
+            else None
+        )
+        return dataclasses.replace(slot, worker=status, foreign_cpu=self._foreign_cpu(slot), sandbox_uid=uid)
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):

@@ -38,6 +38,8 @@ class NodeInfo:
     degraded: tuple[str, ...] = field(default_factory=tuple)  #: what this agent cannot isolate, and why
     #: host partitioning's mode and last pass (None: this agent does not partition the host)
     host_partitioning: dict[str, Any] | None = None
+    #: The workers' sandbox: switched on, in force, what the host supports (agent.sandbox).
+    sandbox: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +50,7 @@ class NodeInfo:
             "cgroup_mode": self.cgroup_mode,
             "degraded": list(self.degraded),
             "host_partitioning": self.host_partitioning,
+            "sandbox": self.sandbox,
         }
 
 

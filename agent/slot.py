@@ -57,6 +57,9 @@ class Slot:
     #: CPU time spent on a guaranteed slot's CPUs by anything else; set on slots read through the
     #: service where it can be measured.
     foreign_cpu: ForeignCpu | None = None
+    #: The slot's own uid for its sandboxed workers, once it has one; set on slots read through
+    #: the service (the state store keeps it in a table of its own).
+    sandbox_uid: int | None = None
 
     @property
     def qos(self) -> QoS:
@@ -87,6 +90,9 @@ class Slot:
             "cgroup": self.cgroup,
             "network": None if self.network is None else self.network.to_json(),
             "worker": None if self.worker is None else self.worker.to_json(),
+            "sandbox": None
+            if self.sandbox_uid is None
+            else {"uid": self.sandbox_uid, "gid": self.sandbox_uid},
             "reason": self.reason,
             "created_at": self.created_at,
             "updated_at": self.updated_at,

@@ -7,6 +7,7 @@ Tables::
     workers  slot_id -> slots(id) ON DELETE CASCADE, spec, desired, keeper_pid, worker_pid,
              start_time, status, restarts, last_exit, updated_at
     events   id, time, slot_id (no foreign key: events outlive their slot), kind, message
+    sandbox_ids  slot_id -> slots(id) ON DELETE CASCADE, uid UNIQUE  (each slot's own worker uid)
 
 Durability rule the slot manager builds on: a slot row is committed (``pending``, WITH its
 assignment) before any kernel object exists, so after a crash the database names everything the
@@ -87,6 +88,14 @@ MIGRATIONS: tuple[str, ...] = (
         message  TEXT NOT NULL
     );
     CREATE INDEX events_by_slot ON events(slot_id, id);
+    """,
+    # Each slot's own uid for its sandboxed workers (agent/sandbox.py): kept while the slot exists,
+    # so a re-adopted or restarted worker keeps its files; freed with the slot's row.
+    """
+    CREATE TABLE sandbox_ids (
+        slot_id  TEXT PRIMARY KEY REFERENCES slots(id) ON DELETE CASCADE,
+        uid      INTEGER NOT NULL UNIQUE
+    );
     """,
 )
 
@@ -395,6 +404,37 @@ class StateStore:
     def list_workers(self) -> list[Worker]:
         rows = self._read(_WORKER_SELECT + " ORDER BY slot_id")
         return [_worker_from_row(r) for r in rows]
+
+    # --- sandbox uids ---------------------------------------------------------------------------
+
+    def sandbox_uid(self, slot_id: str, first: int, last: int, taken: Callable[[int], bool]) -> int:
+        """The slot's own uid: the one it has, else the lowest of ``first``..``last`` that no other
+        slot holds and ``taken`` (the host's own users) does not refuse, recorded now. A slot keeps
+        it until its row is deleted. StateError when the range is used up."""
+        with self.transaction():
+            rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
+            if rows:
+                return int(rows[0][0])
+            held = {
+                int(r[0])
+                for r in self._read("SELECT uid FROM sandbox_ids WHERE uid BETWEEN ? AND ?", (first, last))
+            }
+            uid = next((u for u in range(first, last + 1) if u not in held and not taken(u)), None)
+            if uid is None:
+                raise StateError(
+                    f"no free uid left in [sandbox] uid_range {first}-{last} ({len(held)} slots hold one); "
+                    "widen the range"
+                )
+            self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
+            return uid
+
+    def get_sandbox_uid(self, slot_id: str) -> int | None:
+        rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
+        return int(rows[0][0]) if rows else None
+
+    def sandbox_uids(self) -> dict[str, int]:
+        """Every slot's uid (slot id -> uid)."""
+        return {str(r[0]): int(r[1]) for r in self._read("SELECT slot_id, uid FROM sandbox_ids")}
 
     # --- events -------------------------------------------------------------------------------
 

@@ -7,6 +7,10 @@ contender alike (run as root on a cgroup v1 or hybrid host):
                    forked ahead of time, which joins the slot (cpuset, memory, pids) and execs;
                    timed until the agent holds the running worker (exec succeeded). Path: Python
                    child (no C shim exists). The keeper runs from a throwaway state directory.
+  nodeagent-sandbox  the same with the full default sandbox, as every worker gets it: mount, ipc
+                   and uts namespaces, private /proc (hidepid), /tmp, /dev/shm and /dev, read-only
+                   /sys/fs/cgroup, the state directory hidden, its own uid (nobody here), no
+                   capabilities, no_new_privs and the default seccomp filter
   popen-preexec    subprocess.Popen(preexec_fn=join the slot via cgroup.procs): the by-hand
                    fork/join/exec baseline (preexec_fn forces fork instead of vfork)
   popen-plain      subprocess.Popen with no cgroup at all: the floor
@@ -51,12 +55,14 @@ from pathlib import Path
 from nodeagent.runtime.enter import join_file
 from nodeagent.runtime.keeper_client import KeeperClient, stop_keeper
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox import SandboxSpec
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpuset", "memory", "pids")
 MEMORY_LIMIT = 256 << 20
 PIDS_LIMIT = 64
 WORKER = "/bin/true"
+NOBODY = 65534
 
 
 def make_slot(name: str) -> list[Path]:
@@ -91,9 +97,8 @@ def percentile(ordered: list[float], fraction: float) -> float:
 
 def crun_bundle(where: Path) -> Path:
     rootfs = where / "rootfs"
-    (rootfs / "usr").mkdir(parents=True)
-    (rootfs / "proc").mkdir()
-    (rootfs / "dev").mkdir()
+    for name in ("usr", "proc", "dev", "tmp"):
+        (rootfs / name).mkdir(parents=True)
     for name in ("bin", "lib", "lib64", "sbin"):
         host = Path("/") / name
         if host.is_symlink():
@@ -105,12 +110,24 @@ def crun_bundle(where: Path) -> Path:
             "args": [WORKER],
             "env": ["PATH=/usr/bin:/bin"],
             "cwd": "/",
-            "user": {"uid": 0, "gid": 0},
+            "user": {"uid": NOBODY, "gid": NOBODY},
+            "capabilities": {k: [] for k in ("bounding", "effective", "permitted", "inheritable", "ambient")},
+            "noNewPrivileges": True,
         },
         "root": {"path": "rootfs", "readonly": True},
-        "mounts": [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}],
+        "mounts": [
+            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "nodev", "size=256m"],
+            },
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+        ],
         "linux": {
-            "namespaces": [{"type": "mount"}],
+            "namespaces": [{"type": t} for t in ("mount", "pid", "ipc", "uts")],
             "resources": {
                 "cpu": {
                     "cpus": (cpuset / "cpuset.cpus").read_text().strip(),
@@ -176,7 +193,9 @@ class Crun:
 Launch = Callable[[list[str]], "subprocess.Popen[bytes] | None"]
 
 
-def nodeagent_launcher(keeper: KeeperClient, work: Path, tag: str = "bench") -> Launch:
+def nodeagent_launcher(
+    keeper: KeeperClient, work: Path, tag: str = "bench", sandbox: SandboxSpec | None = None
+) -> Launch:
     def launch(procs: list[str]) -> None:
         worker = keeper.launch(
             LaunchRequest(
@@ -186,6 +205,10 @@ def nodeagent_launcher(keeper: KeeperClient, work: Path, tag: str = "bench") -> 
                 run_dir=str(work / "run"),
                 log_dir=str(work / "logs"),
                 cgroup_procs=tuple(procs),
+                uid=None if sandbox is None else sandbox.uid,
+                gid=None if sandbox is None else sandbox.gid,
+                groups=None if sandbox is None else sandbox.groups,
+                sandbox=sandbox,
             )
         )
         worker.close()  # the keeper reaps and records it; the bench needs nothing more
@@ -250,19 +273,27 @@ def measure(
     return times
 
 
-def report(title: str, times: dict[str, list[float]]) -> None:
+def report(title: str, times: dict[str, list[float]]) -> dict[str, float]:
     ours = statistics.median(times["nodeagent"])
     print(f"\n{title}")
-    print(f"  {'launcher':<15}{'median ms':>10}{'p99 ms':>10}{'nodeagent/this':>16}")
+    print(f"  {'launcher':<18}{'median ms':>10}{'p99 ms':>10}{'nodeagent/this':>16}")
+    medians = {}
     for label, values in times.items():
         ordered = sorted(values)
-        median = statistics.median(ordered)
-        print(f"  {label:<15}{median:>10.2f}{percentile(ordered, 0.99):>10.2f}{ours / median:>15.2f}x")
+        median = medians[label] = statistics.median(ordered)
+        print(f"  {label:<18}{median:>10.2f}{percentile(ordered, 0.99):>10.2f}{ours / median:>15.2f}x")
+    sandboxed = medians.get("nodeagent-sandbox")
+    if sandboxed is not None:
+        print(f"  sandboxed / unsandboxed nodeagent: {sandboxed / ours:.2f}x", end="")
+        crun = medians.get("crun-run")
+        print(f"; crun-run / sandboxed nodeagent: {crun / sandboxed:.2f}x" if crun else "")
+    return medians
 
 
 # --- --profile: where the time goes -------------------------------------------------------------------
 
 STAGES = ("agent-request", "agent-send", "child-woke", "child-joined", "child-exec", "agent-done")
+SANDBOX_STAGES = (*STAGES[:4], "child-sandboxed", "child-sealed", *STAGES[4:])
 
 
 def profile(runs: int, gap: float, work: Path) -> None:
@@ -270,12 +301,18 @@ def profile(runs: int, gap: float, work: Path) -> None:
     trace = work / "trace"
     os.environ["NODEAGENT_LAUNCH_TRACE"] = str(trace)
     try:
+        sandbox = SandboxSpec(uid=NOBODY, gid=NOBODY, hide_paths=(str(work),))
         with keeper_in(work) as keeper:
-            for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
-                launch = nodeagent_launcher(keeper, work, regime)
+            for regime, pause, spec in (
+                ("back-to-back", 0.0, None),
+                ("fresh", gap, None),
+                ("sandboxed back-to-back", 0.0, sandbox),
+                ("sandboxed fresh", gap, sandbox),
+            ):
+                launch = nodeagent_launcher(keeper, work, regime.replace(" ", "_"), spec)
                 for index in range(runs + 1):
                     time_once(launch, f"natest{os.getpid()}-profile-{index}", pause)
-                print_stages(regime, trace)
+                print_stages(regime, trace, SANDBOX_STAGES if spec else STAGES)
     finally:
         del os.environ["NODEAGENT_LAUNCH_TRACE"]
     for regime, pause in (("back-to-back", 0.0), ("fresh", gap)):
@@ -285,18 +322,18 @@ def profile(runs: int, gap: float, work: Path) -> None:
             print(f"  join alone, {regime:<12} via {label:<13} median {statistics.median(values):6.3f} ms")
 
 
-def print_stages(regime: str, trace: Path) -> None:
+def print_stages(regime: str, trace: Path, stages: tuple[str, ...] = STAGES) -> None:
     stamps: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for line in trace.read_text().splitlines():
         launch_id, stage, ns = line.split()
-        if launch_id.startswith(regime + "-"):
+        if launch_id.startswith(regime.replace(" ", "_") + "-"):
             stamps[launch_id][stage] = int(ns)
-    complete = [s for s in stamps.values() if len(s) == len(STAGES)][1:]  # the first one warms up
+    complete = [s for s in stamps.values() if len(s) == len(stages)][1:]  # the first one warms up
     print(f"\nprofile, {regime} ({len(complete)} launches): median ms per stage")
-    for start, end in itertools.pairwise(STAGES):
+    for start, end in itertools.pairwise(stages):
         values = [(s[end] - s[start]) / 1e6 for s in complete]
         print(f"  {start + ' -> ' + end:<32} {statistics.median(values):6.3f}")
-    total = [(s[STAGES[-1]] - s[STAGES[0]]) / 1e6 for s in complete]
+    total = [(s[stages[-1]] - s[stages[0]]) / 1e6 for s in complete]
     print(f"  {'total':<32} {statistics.median(total):6.3f}")
 
 
@@ -342,6 +379,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--no-crun", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the whole comparison, for the spread")
     parser.add_argument("--profile", action="store_true", help="stage breakdown of nodeagent's path instead")
     parser.add_argument("--crun-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -358,17 +396,33 @@ def main() -> None:
             f"launch -> exec of {WORKER} in a cpuset+memory+pids slot, {args.runs} runs each, interleaved; "
             f"agent RSS {rss}, load {os.getloadavg()[0]:.2f}; nodeagent path: Python child (no C shim)"
         )
+        # The agent's default for a worker: its own uid, the state directory hidden, the rest as built.
+        sandbox = SandboxSpec(uid=NOBODY, gid=NOBODY, hide_paths=(str(work),))
+        rounds: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
         with keeper_in(work) as keeper, optional_crun(not args.no_crun) as crun:
             contenders = {
                 "nodeagent": nodeagent_launcher(keeper, work),
+                "nodeagent-sandbox": nodeagent_launcher(keeper, work, "bench-sandbox", sandbox),
                 "popen-preexec": popen_preexec,
                 "popen-plain": popen_plain,
             }
-            for title, gap in (
-                (f"fresh slot ({args.gap_ms:g} ms idle before each launch)", args.gap_ms / 1000),
-                ("back-to-back", 0.0),
-            ):
-                report(title, measure(contenders, crun, args.runs, gap))
+            for number in range(args.rounds):
+                print(f"\n== round {number + 1} of {args.rounds}, load {os.getloadavg()[0]:.2f}")
+                for title, gap in (
+                    (f"fresh slot ({args.gap_ms:g} ms idle before each launch)", args.gap_ms / 1000),
+                    ("back-to-back", 0.0),
+                ):
+                    rounds[title.split(" (")[0]].append(
+                        report(title, measure(contenders, crun, args.runs, gap))
+                    )
+        if args.rounds > 1:
+            print("\nspread of the medians over the rounds (ms, min-max)")
+            for regime, found in rounds.items():
+                spread = ", ".join(
+                    f"{label} {min(r[label] for r in found):.2f}-{max(r[label] for r in found):.2f}"
+                    for label in found[0]
+                )
+                print(f"  {regime}: {spread}")
         print(f"\nload at the end {os.getloadavg()[0]:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

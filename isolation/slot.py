@@ -20,6 +20,7 @@ so an agent that restarts can list what it owns and remove orphans.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import socket
@@ -343,7 +344,15 @@ class SlotIsolator:
             found = []
             for slot_id, (qos, relpath) in self._owned_cgroups().items():
                 manager = open_manager(self.host, relpath)
-                mems = self.pool.read_ids(relpath, "cpuset.mems")
+                try:
+                    mems, cpus = self.pool.read_ids(relpath, "cpuset.mems"), self.pool.read_cpus(relpath)
+                except CgroupError as err:
+                    if err.errno != errno.ENOENT:
+                        raise
+                    # Made or removed only part of the way across the v1 hierarchies when the agent
+                    # died (children() is their union): no cpuset here, but the slot is still ours to
+                    # explain, rebuild or remove.
+                    mems, cpus = frozenset(), frozenset()
                 applied = AppliedSlot(
                     slot_id=slot_id,
                     qos=qos,
@@ -351,7 +360,7 @@ class SlotIsolator:
                     cgroup_version=manager.version,
                     procs_files=tuple(str(p) for p in manager.procs_files()),
                     oom_events=_oom_events_file(manager),
-                    cpus=self.pool.read_cpus(relpath),
+                    cpus=cpus,
                     mems=mems or None,
                     memory_max=None,
                     sched_idle=False,

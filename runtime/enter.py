@@ -2,13 +2,16 @@
 
 The child is forked before any request exists and does, ahead of time, everything that does not
 depend on the request (:func:`prepare_child`: signals, session, stdio, file descriptors, the open
-files limit). When the request arrives it enters the slot and execs (:func:`enter_slot_and_exec`);
-a later sandbox adds its steps to :func:`_steps`, in the order explained here.
+files limit). When the request arrives it enters the slot, builds the worker's sandbox (or joins
+the running worker's, for an exec probe) and execs (:func:`enter_slot_and_exec`).
 
 Order matters. Cgroups are joined first, so the child is accounted and confined before anything
 else happens, and long before the worker's first instruction. The network namespace, rlimits and
-the memory policy need privileges, so they come before uid/gid are dropped; no_new_privs comes
-after setuid so it also covers what the worker execs later. Any failure is written, as
+the memory policy need privileges, so they come before uid/gid are dropped. The sandbox's
+namespaces and mounts (runtime/sandbox) come after the cgroups are joined (a cgroup namespace is
+rooted where the child is when it unshares) and before the identity switch (they need root); its
+seal (capabilities, no_new_privs, seccomp) comes after it, last before exec, so it also covers
+what the worker execs later. Any failure is written, as
 ``step\\0errno\\0message``, to a close-on-exec status pipe: EOF there means exec succeeded.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import resource
@@ -24,7 +28,8 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
-from nodeagent.runtime.process import read_oom_kills
+from nodeagent.runtime import sandbox
+from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, read_oom_kills
 from nodeagent.runtime.request import LaunchRequest
 
 CLONE_NEWNET = 0x40000000
@@ -184,17 +189,17 @@ class Trace:
             os.write(self.fd, f"{launch_id} {stage} {time.perf_counter_ns()}\n".encode())
 
 
-def _tell_keeper(keeper_fd: int, req: LaunchRequest, message: bytes) -> None:
+def _tell_keeper(keeper_fd: int, oom_kills: int, message: bytes) -> None:
     """One write, read by the keeper only after exec: the slot's OOM count, counted from inside the
     slot so no OOM kill of this worker is missed, and the request, so the keeper knows where to
     record the worker even if the agent dies right now."""
-    body = b"%d\n%s" % (read_oom_kills(req.oom_events), message)
+    body = b"%d\n%s" % (oom_kills, message)
     if len(body) > _PIPE_DEFAULT:
         fcntl.fcntl(keeper_fd, fcntl.F_SETPIPE_SZ, len(body))
     os.write(keeper_fd, body)
 
 
-def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, trace: Trace) -> NoReturn:
+def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, trace: Trace) -> NoReturn:
     step = "join cgroups"
     try:
         join_cgroups(req.cgroup_procs)
@@ -210,9 +215,18 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, trace: Trace) -> 
             bind_memory(req.mems)
         step = "setrlimit"
         set_rlimits(req.rlimits)
+        # Counted here, inside the slot, and before a sandbox changes what /sys/fs/cgroup shows.
+        oom_kills = read_oom_kills(req.oom_events)
+        argv = req.argv
+        if req.sandbox is not None:
+            argv = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd))
+            trace.stamp(req.launch_id, "child-sandboxed")
         step = "set uid/gid/groups"
         drop_privileges(req.uid, req.gid, req.groups)
-        if req.no_new_privs:
+        if req.sandbox is not None:
+            sandbox.seal_sandbox(req.sandbox)  # capabilities, no_new_privs, seccomp: last before exec
+            trace.stamp(req.launch_id, "child-sealed")
+        elif req.no_new_privs:
             step = "prctl(PR_SET_NO_NEW_PRIVS)"
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
         os.umask(req.umask)
@@ -220,13 +234,61 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, trace: Trace) -> 
             step = f"chdir {req.cwd}"
             os.chdir(req.cwd)
         step = "hand the request to the keeper"
-        _tell_keeper(keeper_fd, req, message)
-        step = f"exec {req.argv[0]}"
+        _tell_keeper(keeper_fd, oom_kills, message)
+        step = f"exec {argv[0]}"
         trace.stamp(req.launch_id, "child-exec")
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        os.execvpe(req.argv[0], list(req.argv), req.env)  # noqa: S606 - argv, never a shell line
+        os.execvpe(argv[0], list(argv), req.env)  # noqa: S606 - argv, never a shell line
+    except sandbox.SandboxStepError as err:
+        # Its message starts with the step already; keep the kernel's words only.
+        text = (err.strerror or "").removeprefix(f"{err.step}: ")
+        raise _StepFailed(err.step, OSError(err.errno, text)) from err
     except OSError as err:
+        if err.errno == errno.EACCES and req.sandbox is not None and step.startswith(("exec", "chdir")):
+            # The commonest surprise of a worker with its own uid: a program under root's home.
+            err = OSError(
+                err.errno,
+                f"{err.strerror}: the worker runs as uid {req.sandbox.uid}, which must be able to read "
+                "it and search every directory above it",
+            )
         raise _StepFailed(step, err) from err
+
+
+def _enter_sandbox(
+    req: LaunchRequest, spec: sandbox.SandboxSpec, reports: tuple[int, int]
+) -> tuple[str, ...]:
+    """The sandbox's steps before the identity switch; returns the argv to exec (through the
+    namespace's init when the worker has a pid namespace of its own)."""
+    if req.join is None:
+        sandbox.enter_sandbox(spec)
+        return sandbox.init_argv(spec.init, req.argv) if "pid" in spec.namespaces and spec.init else req.argv
+    pidfd = open_verified_pidfd(ProcessIdentity(*req.join))
+    if pidfd is None:
+        raise sandbox.SandboxStepError(
+            "join the worker's namespaces", errno.ESRCH, f"worker {req.join[0]} is no longer running"
+        )
+    try:
+        sandbox.join_sandbox(pidfd, spec)
+    finally:
+        os.close(pidfd)
+    if "pid" in spec.namespaces:
+        _fork_into_joined_pid_namespace(reports)
+    return req.argv
+
+
+def _fork_into_joined_pid_namespace(reports: tuple[int, int]) -> None:
+    """setns(CLONE_NEWPID) places only the caller's children in the worker's pid namespace: fork,
+    let the child go on to exec, and stay as its parent, exiting with its status. The parent lets
+    go of the status and hand-over pipes first, so the agent and the keeper hear the child's exec
+    (or failure) as usual; the child is in the same process group, which the keeper ends."""
+    child = os.fork()
+    if child == 0:
+        return
+    for fd in reports:
+        os.close(fd)
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def enter_slot_and_exec(
@@ -237,7 +299,7 @@ def enter_slot_and_exec(
     On failure writes ``step\\0errno\\0message`` to ``status_fd`` and, after FAILED_MARK, to
     ``keeper_fd``, then _exit(127)."""
     try:
-        _steps(req, message, keeper_fd, trace or Trace(None))
+        _steps(req, message, keeper_fd, status_fd, trace or Trace(None))
     except _StepFailed as failed:
         text = f"{failed.step}\0{failed.err.errno or 0}\0{failed.err.strerror or failed.err}"
         failure = text.encode("utf-8", "replace")

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from nodeagent.runtime import keeper_protocol as proto
+from nodeagent.runtime import sandbox
 from nodeagent.runtime.custody import INDEX_DIR, IO_DIR, READ_SIZE, KeptWorker, WorkerCustody, log, unlink
 from nodeagent.runtime.enter import FAILED_MARK, Trace, enter_slot_and_exec, prepare_child, report_failure
 from nodeagent.runtime.logs import LogStream
@@ -254,7 +255,7 @@ class Keeper(WorkerCustody):
             if not greeted:
                 self._hello(fd, conn, body)
             elif op == "arm":
-                self._arm(fd)
+                self._arm(fd, pid_namespace=body.get("pid_namespace") is True)
             elif op == "watch":
                 self._watch_request(fd, body)
             elif op == "status":
@@ -326,7 +327,9 @@ class Keeper(WorkerCustody):
 
     # ------------------------------------------------------------------ arming a worker child
 
-    def _arm(self, fd: int) -> None:
+    def _arm(self, fd: int, *, pid_namespace: bool = False) -> None:
+        """Fork a worker child ahead of its request; with ``pid_namespace`` the child is PID 1 of a
+        new pid namespace (a root worker's: runtime/sandbox/pidns.py), armed when asked for."""
         base = self.dir / IO_DIR / f"{self.identity.pid}-{next(self._fifo_names)}"
         out_fifo, err_fifo = f"{base}.out", f"{base}.err"
         opened: list[int] = []
@@ -351,7 +354,7 @@ class Keeper(WorkerCustody):
             raise
         out_r, err_r, out_w, err_w, go_r, go_w, status_r, status_w, handoff_r, handoff_w = opened[:10]
         done_r, done_w, notice_r, notice_w = opened[10:]
-        pid = os.fork()
+        pid = sandbox.fork_into_new_pid_namespace() if pid_namespace else os.fork()
         if pid == 0:
             self._child_body(go_r, status_w, handoff_w, out_w, err_w)
         for end in (go_r, status_w, handoff_w, out_w, err_w):
@@ -368,7 +371,12 @@ class Keeper(WorkerCustody):
         try:
             self._reply(
                 fd,
-                {"op": "armed", "pid": pid, "start_time": child.identity.start_time},
+                {
+                    "op": "armed",
+                    "pid": pid,
+                    "start_time": child.identity.start_time,
+                    "pid_namespace": pid_namespace,
+                },
                 [go_w, status_r, done_w, notice_r, pidfd],
             )
         finally:
@@ -466,7 +474,8 @@ class Keeper(WorkerCustody):
             log_dir=str(log_dir),
             log_max_bytes=req.log_max_bytes,
             log_backups=req.log_backups,
-            cgroup_procs=req.cgroup_procs,
+            # A probe's tree is its process group: its slot's cgroups hold its worker too.
+            cgroup_procs=req.cgroup_procs if req.end_slot_on_exit else (),
             stop_grace_seconds=req.stop_grace_seconds,
             oom_events=req.oom_events,
             oom_before=oom_before,
@@ -595,6 +604,7 @@ def main(argv: list[str]) -> int:
     # Hold every worker's descriptors; children get the original limit back before exec.
     open_files = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_files[1], open_files[1]))
+    sandbox.warm_up()  # cap_last_cap and the default seccomp filter, once, shared by every child
     keeper = Keeper(directory, listener, open_files)
     keeper.run()
     return 0

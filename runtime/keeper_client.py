@@ -137,6 +137,12 @@ def _wait_gone(pidfd: int, timeout: float = _GONE_TIMEOUT) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
+def _needs_pid_namespace(req: LaunchRequest) -> bool:
+    """A launch whose child must be PID 1 of a new pid namespace (a root worker's sandbox); an exec
+    probe joins its worker's namespace instead."""
+    return req.sandbox is not None and "pid" in req.sandbox.namespaces and req.join is None
+
+
 def keeper_identity(directory: Path) -> ProcessIdentity | None:
     """The keeper last started for ``directory`` (from its lock file), alive or not."""
     try:
@@ -184,6 +190,11 @@ class KeeperClient:
         self._keeper_pidfd = -1
         self._armed: collections.deque[_Armed] = collections.deque()
         self._arms_pending = 0
+        #: Children armed in a pid namespace of their own (root workers: rare, so armed when asked).
+        self._armed_pidns: collections.deque[_Armed] = collections.deque()
+        self._pidns_pending = 0
+        #: Whether each arm request outstanding asked for a pid namespace, oldest first.
+        self._arm_order: collections.deque[bool] = collections.deque()
         self._arm_error = ""
         self._trace = Trace(None)
         self._closed = False
@@ -243,7 +254,7 @@ class KeeperClient:
             )
         for attempt in (1, 2):
             with self._lock:
-                armed = self._take_armed()
+                armed = self._take_armed_pidns() if _needs_pid_namespace(req) else self._take_armed()
                 keeper = self._keeper
                 try:
                     self._trace.stamp(req.launch_id, "agent-send")
@@ -423,9 +434,11 @@ class KeeperClient:
             return "(no keeper.log)"
 
     def _disconnect(self) -> None:
-        while self._armed:
-            self._armed.popleft().close()  # each child reads EOF instead of a request and exits
-        self._arms_pending = 0
+        for armed in (self._armed, self._armed_pidns):
+            while armed:
+                armed.popleft().close()  # each child reads EOF instead of a request and exits
+        self._arms_pending = self._pidns_pending = 0
+        self._arm_order.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -471,14 +484,22 @@ class KeeperClient:
             self._disconnect()
             raise WorkerError(f"the keeper of {self.directory} closed the connection; see {proto.LOG_NAME}")
         if reply["op"] == "armed" and len(fds) == 5:
-            self._arms_pending -= 1
-            self._armed.append(_Armed(ProcessIdentity(int(reply["pid"]), int(reply["start_time"])), fds))
+            self._arm_answered()
+            armed = _Armed(ProcessIdentity(int(reply["pid"]), int(reply["start_time"])), fds)
+            (self._armed_pidns if reply.get("pid_namespace") is True else self._armed).append(armed)
             return None
         if reply["op"] == "error" and reply.get("request") == "arm":
-            self._arms_pending -= 1
+            self._arm_answered()
             self._arm_error = str(reply.get("message"))
             return None
         return reply, fds
+
+    def _arm_answered(self) -> None:
+        """Replies come in the order of the requests: the oldest arm outstanding was answered."""
+        if self._arm_order.popleft():
+            self._pidns_pending -= 1
+        else:
+            self._arms_pending -= 1
 
     def _request_arms(self) -> None:
         if self._sock is None:
@@ -487,8 +508,30 @@ class KeeperClient:
             while len(self._armed) + self._arms_pending < self._idle_children:
                 proto.send(self._sock, {"op": "arm"})
                 self._arms_pending += 1
+                self._arm_order.append(False)
         except OSError:
             pass  # the next exchange finds the keeper gone and says so
+
+    def _take_armed_pidns(self) -> _Armed:
+        """A child that is PID 1 of a new pid namespace, armed now (one fork on this launch's path:
+        root workers are an opt-in, not worth children kept waiting)."""
+        self._ensure()
+        if not self._armed_pidns and not self._pidns_pending:
+            assert self._sock is not None
+            try:
+                proto.send(self._sock, {"op": "arm", "pid_namespace": True})
+            except OSError as err:
+                self._disconnect()
+                raise WorkerError(f"lost the keeper of {self.directory}: {err}") from err
+            self._pidns_pending += 1
+            self._arm_order.append(True)
+        while not self._armed_pidns:
+            if not self._pidns_pending:
+                raise WorkerError(
+                    f"the keeper could not prepare a worker child in a pid namespace: {self._arm_error}"
+                )
+            self._receive_one()
+        return self._armed_pidns.popleft()
 
     def _take_armed(self) -> _Armed:
         self._ensure()

@@ -10,9 +10,9 @@ speaks first (exits and keeper deaths reach the agent through descriptors, not m
 
 Requests (agent -> keeper) and replies (``fds`` travel with the reply)::
 
-    {"op": "hello", "protocol": 1}        -> {"op": "welcome", "protocol": 1, "pid", "start_time"}
+    {"op": "hello", "protocol": 2}        -> {"op": "welcome", "protocol": 2, "pid", "start_time"}
                                              | {"op": "error", "request": "hello", "message"}
-    {"op": "arm"}                         -> {"op": "armed", "pid", "start_time"}
+    {"op": "arm"[, "pid_namespace": true]} -> {"op": "armed", "pid", "start_time", "pid_namespace"}
                                              fds: request (w), status (r), done (w), notice (r), pidfd
     {"op": "watch", "run_dir", "launch_id"} -> {"op": "watching", "pid", "start_time"}  fds: notice (r)
                                              | {"op": "final"}   (no live custody: read worker.json)
@@ -36,7 +36,8 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-PROTOCOL = 1
+#: 2: launch requests carry the worker's sandbox; ``arm`` may ask for a pid namespace.
+PROTOCOL = 2
 SOCKET_NAME = "keeper.sock"
 LOCK_NAME = "keeper.lock"
 LOG_NAME = "keeper.log"

@@ -2,15 +2,23 @@
 
 The agent's side of a launch. Layout of a worker's directory (one per slot)::
 
-    <worker_dir>/slot.json     the slot description (NODEAGENT_SLOT_FILE)
     <worker_dir>/run/          the keeper's state file (worker.json) and the worker's stdout and
                                stderr FIFOs (stdout.fifo, stderr.fifo)
     <worker_dir>/logs/         worker.log (stdout and stderr, one time-ordered stream) and its rotations
-    <worker_dir>/tmp/          the worker's private TMPDIR
+    <worker_dir>/view/         what the worker sees of it (root's, 0755):
+    <worker_dir>/view/slot.json   the slot description (NODEAGENT_SLOT_FILE), root's, 0644
+    <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700)
+    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700)
+
+With a sandbox the state directory above all this is hidden from the worker, and ``view/`` alone is
+shown again at the same path (one bind mount: the environment names the same files inside and
+outside). The worker can write in its own tmp/ and home/ only, never replace the slot file, and
+never reach run/ or logs/, which hold what the keeper trusts about it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import pwd
@@ -20,6 +28,7 @@ from pathlib import Path
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox.spec import Exposed, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
 
 
@@ -79,22 +88,52 @@ def _private_dir(path: Path, identity: Identity) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         if identity.uid is not None:
+            # Also when it exists: a slot's uid is its own, but a directory left by an earlier
+            # worker of the slot under another identity (a changed spec) must follow.
             os.chown(path, identity.uid, identity.gid if identity.gid is not None else -1)
     except OSError as err:
         raise translate_os_error(f"prepare worker directory {path}", err, KernelError) from err
 
 
+def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]:
+    """The sandbox's identity (the agent chose it), its HOME, and the worker directory's view
+    shown again where the hidden state directory covers it."""
+    home = view / "home"
+    identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, str(home))
+    _private_dir(home, identity)
+    hidden = [path.rstrip("/") + "/" for path in sandbox.hide_paths]
+    if not any(str(view).startswith(h) for h in hidden):
+        return sandbox, identity  # not hidden: nothing to show again
+    return dataclasses.replace(sandbox, expose=(*sandbox.expose, Exposed(str(view), writable=True))), identity
+
+
 def build_launch_request(
-    spec: WorkerSpec, slot: SlotDescription, binding: SlotBinding, worker_dir: Path
+    spec: WorkerSpec,
+    slot: SlotDescription,
+    binding: SlotBinding,
+    worker_dir: Path,
+    sandbox: SandboxSpec | None = None,
 ) -> LaunchRequest:
-    """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries out."""
+    """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries
+    out; with ``sandbox`` the worker runs as the sandbox's uid, gid and groups (the request's own
+    user and groups were weighed by the agent when it chose them)."""
     if not spec.command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
         )
-    identity = resolve_identity(spec)
-    slot_file = write_slot_file(slot, worker_dir / "slot.json")
-    tmpdir = worker_dir / "tmp"
+    worker_dir = Path(os.path.realpath(worker_dir))  # shown again by path inside the sandbox
+    view = worker_dir / "view"
+    try:
+        view.mkdir(parents=True, exist_ok=True, mode=0o755)
+        view.chmod(0o755)  # root's: the worker may not replace what is in it
+    except OSError as err:
+        raise translate_os_error(f"prepare worker directory {view}", err, KernelError) from err
+    if sandbox is not None:
+        sandbox, identity = _sandboxed(sandbox, view)
+    else:
+        identity = resolve_identity(spec)
+    slot_file = write_slot_file(slot, view / "slot.json")
+    tmpdir = view / "tmp"
     _private_dir(tmpdir, identity)
     env = worker_environment(slot, slot_file, spec.env, home=identity.home, tmpdir=str(tmpdir))
     return LaunchRequest(
@@ -115,4 +154,5 @@ def build_launch_request(
         umask=spec.umask,
         oom_events=binding.oom_events,
         stop_grace_seconds=spec.stop_grace_seconds,
+        sandbox=sandbox,
     )

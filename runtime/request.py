@@ -7,10 +7,18 @@ environment. The child and the keeper never look anything up; they only carry it
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.runtime.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
+from nodeagent.runtime.sandbox.spec import SandboxSpec
+
+
+@functools.lru_cache(maxsize=256)
+def _sandbox_json(spec: SandboxSpec) -> dict[str, Any]:
+    """A spec's JSON form; never changed by its users (they only serialise it)."""
+    return spec.to_json()
 
 
 @dataclass(frozen=True)
@@ -44,15 +52,34 @@ class LaunchRequest:
     #: Once the worker's main process exits, what is left in its cgroups gets SIGTERM, and SIGKILL
     #: this long after (the keeper does it, also while the agent is down).
     stop_grace_seconds: float = 30.0
+    #: The worker's sandbox, set up by the child before exec (runtime/sandbox); its uid, gid and
+    #: groups are the request's. None: no sandbox (switched off by the agent's configuration).
+    sandbox: SandboxSpec | None = None
+    #: (pid, start time) of a running worker whose namespaces this launch joins instead of making
+    #: its own (an exec probe runs where its worker runs).
+    join: tuple[int, int] | None = None
+    #: When the main process exits the keeper ends what is left in the slot's cgroups (a worker);
+    #: False: only its own process group (a probe, which must not take its worker with it).
+    end_slot_on_exit: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Shallow (json.dumps reads tuples as lists), and the sandbox's form computed once per spec:
+        # dataclasses.asdict's deep copy of a sandboxed request cost ~0.1 ms on every launch.
+        body = {name: getattr(self, name) for name in _FIELDS}
+        if self.sandbox is not None:
+            body["sandbox"] = _sandbox_json(self.sandbox)
+        return body
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> LaunchRequest:
         fixed = dict(body)
-        for key in ("argv", "cgroup_procs", "cpus", "mems", "groups"):
+        for key in ("argv", "cgroup_procs", "cpus", "mems", "groups", "join"):
             if fixed.get(key) is not None:
                 fixed[key] = tuple(fixed[key])
         fixed["rlimits"] = {k: (int(v[0]), int(v[1])) for k, v in fixed.get("rlimits", {}).items()}
+        if fixed.get("sandbox") is not None:
+            fixed["sandbox"] = SandboxSpec.from_json(fixed["sandbox"])
         return cls(**fixed)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchRequest))

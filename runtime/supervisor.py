@@ -64,6 +64,8 @@ class Launcher(Protocol):
 
 
 ProbeCheck = Callable[[Probe, str], bool]
+#: Runs an exec probe where the worker behind the handle runs (its slot, namespaces and uid).
+ExecProbe = Callable[[Probe, WorkerHandle], bool]
 
 
 class Phase(enum.StrEnum):
@@ -218,7 +220,10 @@ class Supervisor:
         check: ProbeCheck = check_probe,
         probe_host: str = "127.0.0.1",
         backoff: Backoff | None = None,
+        exec_probe: ExecProbe | None = None,
     ) -> None:
+        """``exec_probe``: how exec probes run (the keeper runtime launches them into the worker's
+        slot and sandbox); without it they go through ``check``."""
         self.spec = spec
         self._template = template
         self._launcher = launcher
@@ -227,6 +232,7 @@ class Supervisor:
         self._check = check
         self._probe_host = probe_host
         self._backoff = backoff or Backoff()
+        self._exec_probe = exec_probe
         self._launch_numbers = itertools.count(1)
         self.phase = Phase.STOPPED
         self._handle: WorkerHandle | None = None
@@ -389,18 +395,23 @@ class Supervisor:
             self._begin_stop(now, self._killed_for)
             return
         if self._liveness is not None and self._liveness.due(now):
-            self._liveness.record(self._check(self._liveness.probe, self._probe_host), now)
+            self._liveness.record(self._probe(self._liveness.probe), now)
             if not self._liveness.passing:
                 self._killed_for = "liveness probe failed"
                 self._begin_stop(now, f"liveness probe failed {self._liveness.probe.failure_threshold} times")
                 return
         if self._readiness is not None and self._readiness.due(now):
-            self._readiness.record(self._check(self._readiness.probe, self._probe_host), now)
+            self._readiness.record(self._probe(self._readiness.probe), now)
             pid = self._handle.pid if self._handle else None
             if self._readiness.passing and self.phase is not Phase.RUNNING:
                 self._set(Phase.RUNNING, f"pid {pid} ready")
             elif not self._readiness.passing and self.phase is Phase.RUNNING:
                 self._set(Phase.UNREADY, f"pid {pid} failed its readiness probe")
+
+    def _probe(self, probe: Probe) -> bool:
+        if probe.kind is ProbeKind.EXEC and self._exec_probe is not None and self._handle is not None:
+            return self._exec_probe(probe, self._handle)
+        return self._check(probe, self._probe_host)
 
     def _begin_stop(self, now: float, why: str) -> None:
         self._set(Phase.STOPPING, why)

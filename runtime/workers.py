@@ -4,11 +4,12 @@
 is the real one: workers launched through the host keeper (keeper.py, reached through
 keeper_client.py), one directory per slot under ``workers_dir``::
 
-    <workers_dir>/<slot id>/slot.json   the slot description (NODEAGENT_SLOT_FILE)
+    <workers_dir>/<slot id>/view/       what the worker sees: slot.json (NODEAGENT_SLOT_FILE), its
+                                        TMPDIR (tmp/) and, sandboxed, its HOME (home/)
     <workers_dir>/<slot id>/run/        the keeper's state file (how :meth:`readopt` finds the
                                         worker) and the worker's stdout/stderr FIFOs
     <workers_dir>/<slot id>/logs/       worker.log: stdout and stderr in one time-ordered stream
-    <workers_dir>/<slot id>/tmp/        the worker's TMPDIR
+    <workers_dir>/<slot id>/probe/      the run directory and log of its exec probes
 
 The keeper's own directory (socket, lock, log, custody links) is ``keeper_dir``, by default
 ``<workers_dir>/../keeper``.
@@ -19,20 +20,34 @@ its cgroup.procs files, network namespace and OOM counter; None means the slot i
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
+import select
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
+from nodeagent.errors import WorkerError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
 from nodeagent.runtime.logs import read_log
-from nodeagent.runtime.supervisor import SlotCgroup, Supervisor
-from nodeagent.schema.worker import WorkerSpec
+from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
+from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox.spec import SandboxSpec
+from nodeagent.runtime.supervisor import SlotCgroup, Supervisor, WorkerHandle
+from nodeagent.schema.worker import Probe, WorkerSpec
+
+#: An exec probe's output is kept small: its last 64 KiB, in one rotation.
+PROBE_LOG_BYTES = 64 * 1024
+#: After killing a probe that overran its timeout, how long to wait for its record.
+PROBE_KILL_WAIT_SECONDS = 5.0
 
 
 class Readoption(enum.StrEnum):
@@ -44,8 +59,15 @@ class Readoption(enum.StrEnum):
 
 
 class WorkerRuntime(Protocol):
-    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
-        """A supervisor (not started) for ``spec`` in ``slot``, which isolation built as ``applied``."""
+    def supervisor(
+        self,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None = None,
+    ) -> Supervisor:
+        """A supervisor (not started) for ``spec`` in ``slot``, which isolation built as ``applied``;
+        its worker (and its exec probes) run in ``sandbox`` when given."""
         ...
 
     def readopt(self, slot_id: str, supervisor: Supervisor) -> Readoption:
@@ -105,6 +127,71 @@ class NoCgroup:
         return []
 
 
+class SlotExecProbe:
+    """Exec probes run where their worker runs, never as the agent: launched through the keeper
+    like a worker (a pre-armed child, one request), into the slot's cgroups and network namespace,
+    as the worker's uid with its capabilities and seccomp filter, and inside the worker's own
+    namespaces (setns through the worker's pidfd: its private /tmp, /dev, /proc and hidden paths;
+    its pid namespace for a root worker). The exit status is the result; a probe still running at
+    its timeout is killed with its process group. Its output goes to ``<dir>/logs`` (small,
+    rotated), not to the worker's log.
+
+    Why not fork and setns from the agent: the agent is multi-threaded and never forks Python code
+    (runtime.md); the keeper's children already know how to enter a slot, and the keeper's custody
+    gives the probe's exit status and ends its tree, also if the agent dies mid-probe."""
+
+    def __init__(self, template: LaunchRequest, keeper: KeeperClient, directory: Path) -> None:
+        self._template = template
+        self._keeper = keeper
+        self._dir = directory
+        self._numbers = itertools.count(1)
+
+    def __call__(self, probe: Probe, handle: WorkerHandle) -> bool:
+        identity = getattr(handle, "identity", None)
+        join = None
+        if self._template.sandbox is not None:
+            if not isinstance(identity, ProcessIdentity):
+                return False  # no verified process to join: the probe cannot run where it must
+            join = (identity.pid, identity.start_time)
+        req = dataclasses.replace(
+            self._template,
+            launch_id=f"{self._template.launch_id}-probe-{next(self._numbers)}",
+            argv=probe.argv,
+            run_dir=str(self._dir / "run"),
+            log_dir=str(self._dir / "logs"),
+            join=join,
+            end_slot_on_exit=False,
+            stop_grace_seconds=0.0,
+            log_max_bytes=PROBE_LOG_BYTES,
+            log_backups=1,
+        )
+        try:
+            process = self._keeper.launch(req)
+        except WorkerError:
+            return False
+        try:
+            record = _wait_for_record(process, probe.timeout_seconds)
+            if record is None:
+                process.send_signal(signal.SIGKILL)
+                record = _wait_for_record(process, PROBE_KILL_WAIT_SECONDS)
+            return record is not None and record.code == 0
+        finally:
+            process.close()
+
+
+def _wait_for_record(process: WorkerProcess, timeout: float) -> ExitRecord | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        record = process.poll()
+        if record is not None:
+            return record
+        left = deadline - time.monotonic()
+        fd = process.exit_fd
+        if left <= 0 or fd is None:
+            return None
+        select.select([fd], [], [], left)
+
+
 class KeeperRuntime:
     """The real :class:`WorkerRuntime` (see the module docstring for the directory layout)."""
 
@@ -117,13 +204,27 @@ class KeeperRuntime:
         self._host = host
         self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
 
-    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
-        template = build_launch_request(spec, slot, slot_binding(applied), self._dir / slot.slot_id)
+    def supervisor(
+        self,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None = None,
+    ) -> Supervisor:
+        worker_dir = self._dir / slot.slot_id
+        template = build_launch_request(spec, slot, slot_binding(applied), worker_dir, sandbox)
         # A worker in its own network namespace listens on the slot's address, which the host
         # reaches over the slot's veth; 127.0.0.1 here would be the host's loopback, not the slot's.
         network = applied.network if applied is not None else None
         probe_host = str(network.slot_address) if network is not None else "127.0.0.1"
-        return Supervisor(spec, template, self._keeper, self._cgroup(applied), probe_host=probe_host)
+        return Supervisor(
+            spec,
+            template,
+            self._keeper,
+            self._cgroup(applied),
+            probe_host=probe_host,
+            exec_probe=SlotExecProbe(template, self._keeper, Path(template.run_dir).parent / "probe"),
+        )
 
     def _cgroup(self, applied: AppliedSlot | None) -> SlotCgroup:
         if applied is None or self._host is None:
@@ -152,6 +253,7 @@ __all__ = [
     "ManagedCgroup",
     "NoCgroup",
     "Readoption",
+    "SlotExecProbe",
     "WorkerRuntime",
     "slot_binding",
 ]

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, Wi
 
 from nodeagent.schema.base import AsTuple, StrictModel
 from nodeagent.schema.errors import invalid_request
-from nodeagent.schema.quantity import shown
+from nodeagent.schema.quantity import MAX_BYTES, QUANTITY_PATTERN, parse_quantity, shown
 
 #: Open Inference Protocol (KServe v2) health paths: the default HTTP probes.
 OIP_READY_PATH = "/v2/health/ready"
@@ -201,6 +201,70 @@ class Probe(StrictModel):
         return self.exec.argv if self.exec is not None else ()
 
 
+# --------------------------------------------------------------------------- the sandbox
+
+
+_SYSCALL_NAME = "^[a-z][a-z0-9_]{0,63}$"
+_CAPABILITY_NAME = "^(CAP_)?[A-Z][A-Z_]{0,31}$"
+SyscallName = Annotated[str, Field(pattern=_SYSCALL_NAME)]
+CapabilityName = Annotated[str, Field(pattern=_CAPABILITY_NAME)]
+#: A private tmpfs's size: at least one page, at most what the kernel takes.
+TmpfsBytes = Annotated[
+    int,
+    BeforeValidator(parse_quantity),
+    Field(ge=4096, le=MAX_BYTES),
+    WithJsonSchema(
+        {
+            "description": 'Bytes, or a quantity such as "64Mi", "1Gi" (at least 4096).',
+            "oneOf": [
+                {"type": "integer", "minimum": 4096, "maximum": MAX_BYTES - 1023},
+                {"type": "string", "pattern": QUANTITY_PATTERN},
+            ],
+        }
+    ),
+]
+
+
+class WorkerSandbox(StrictModel):
+    """What the worker's sandbox leaves out for this slot: each opt-out by name, and each must be
+    allowed by the agent's ``[sandbox]`` configuration (docs/sandbox.md). Everything not named here
+    stays confined."""
+
+    allow_syscalls: Annotated[tuple[SyscallName, ...], AsTuple] = Field(
+        default=(),
+        max_length=64,
+        description="System calls the default seccomp profile denies that this worker may make "
+        '(e.g. ["perf_event_open"] for a profiler, ["io_uring_setup", "io_uring_enter", '
+        '"io_uring_register"]).',
+    )
+    seccomp: Literal["default", "unconfined"] = Field(
+        default="default", description='"unconfined": no seccomp filter at all (no_new_privs stays).'
+    )
+    capabilities: Annotated[tuple[CapabilityName, ...], AsTuple] = Field(
+        default=(),
+        max_length=41,
+        description="Capabilities the worker keeps, by name with or without CAP_ "
+        '(e.g. ["NET_BIND_SERVICE"]); a non-root worker keeps none by default.',
+    )
+    shm_size: TmpfsBytes | None = Field(
+        default=None, description="Size of the private /dev/shm (default: the agent's [sandbox] shm_size)."
+    )
+    tmp_size: TmpfsBytes | None = Field(
+        default=None, description="Size of the private /tmp (default: the agent's [sandbox] tmp_size)."
+    )
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> WorkerSandbox:
+        for name in ("allow_syscalls", "capabilities"):
+            values = [v.removeprefix("CAP_") for v in getattr(self, name)]
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ValueError(f"{name} lists {', '.join(repeated)} more than once")
+        if self.seccomp == "unconfined" and self.allow_syscalls:
+            raise ValueError('allow_syscalls means nothing with seccomp "unconfined" (no filter at all)')
+        return self
+
+
 # --------------------------------------------------------------------------- the spec
 
 
@@ -271,6 +335,11 @@ class WorkerSpec(StrictModel):
     port: Port | None = Field(default=None, description="The port the server listens on (used by presets).")
     model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     model_repository: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    sandbox: WorkerSandbox | None = Field(
+        default=None,
+        description="Opt-outs from the worker's sandbox, each by name and each allowed by the agent's "
+        "configuration; without it the worker is fully confined.",
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> WorkerSpec:
@@ -299,6 +368,7 @@ __all__ = [
     "ProbeKind",
     "RestartPolicy",
     "TcpCheck",
+    "WorkerSandbox",
     "WorkerSpec",
     "parse_worker_spec",
 ]

@@ -208,6 +208,12 @@ def check_processes(client: httpx.Client, daemon: DaemonProcess, names: Names) -
         assert slot_id in holding, f"worker {pid} of slot {slot_id} runs, but no such slot holds resources"
         tasks = {int(p) for p in (dirs[slot_id] / "cgroup.procs").read_text().split()}
         assert pid in tasks, f"worker {pid} of slot {slot_id} runs outside its slot's cgroup"
+        # Whichever death it lived through, it is still sandboxed: its slot's uid, the filter on.
+        status = (_proc(str(pid), "status") or b"").decode()
+        if status:
+            uid = int(status.split("Uid:")[1].split()[0])
+            assert 600000 <= uid <= 665535, f"worker {pid} of slot {slot_id} runs as uid {uid}"
+            assert "Seccomp:\t2" in status, f"worker {pid} of slot {slot_id} has no seccomp filter"
     keeper = keeper_identity(daemon.keeper_dir)
     alive = [keeper.pid] if keeper is not None and is_alive(keeper) else []
     if workers or keepers:

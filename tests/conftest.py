@@ -14,6 +14,10 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from tests.workerpy import worker_python
+
+__all__ = ["worker_python"]  # a fixture for every test directory
+
 IN_CI = bool(os.environ.get("CI"))
 
 # In CI, property tests draw the same examples every run, so a landing is never decided by luck;

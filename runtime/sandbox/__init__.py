@@ -49,19 +49,22 @@ from nodeagent.runtime.sandbox._sys import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
     CLONE_NEWNS,
+    CLONE_NEWPID,
     CLONE_NEWUTS,
     check,
     libc,
 )
 from nodeagent.runtime.sandbox.pidns import fork_into_new_pid_namespace, init_argv
-from nodeagent.runtime.sandbox.spec import DeviceNode, SandboxSpec
+from nodeagent.runtime.sandbox.spec import DeviceNode, Exposed, SandboxSpec
 from nodeagent.runtime.sandbox.support import SandboxSupport, missing_for, probe, probe_live
 
 _UNSHARE_FLAGS = {"mount": CLONE_NEWNS, "ipc": CLONE_NEWIPC, "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
+_SETNS_FLAGS = {**_UNSHARE_FLAGS, "pid": CLONE_NEWPID}
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 __all__ = [
     "DeviceNode",
+    "Exposed",
     "SandboxSpec",
     "SandboxStepError",
     "SandboxSupport",
@@ -69,6 +72,7 @@ __all__ = [
     "fork_into_new_pid_namespace",
     "home_directory",
     "init_argv",
+    "join_sandbox",
     "missing_for",
     "probe",
     "probe_live",
@@ -101,6 +105,7 @@ def warm_up(specs: tuple[SandboxSpec, ...] = ()) -> None:
     redo: read cap_last_cap and assemble the seccomp filters, for ``specs`` and the default."""
     _last_capability()
     _filter("default", ())
+    seccomp.restricted_syscalls("default")
     for spec in specs:
         _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
 
@@ -161,6 +166,10 @@ def enter_sandbox(spec: SandboxSpec) -> None:
             check(libc.sethostname(hostname, len(hostname)), "sethostname")
     if "mount" in spec.namespaces:
         _mounts(spec, step)
+    _drop_bounding_set(spec, step)
+
+
+def _drop_bounding_set(spec: SandboxSpec, step: _Steps) -> None:
     keep = caps.capability_mask(spec.capabilities)
     with step("drop capabilities from the bounding set"):
         caps.drop_bounding_set(keep, _last_capability())
@@ -169,7 +178,32 @@ def enter_sandbox(spec: SandboxSpec) -> None:
             caps.keep_across_setuid()
 
 
+def join_sandbox(pidfd: int, spec: SandboxSpec) -> None:
+    """Instead of :func:`enter_sandbox`: join the namespaces of the running worker whose pidfd is
+    ``pidfd`` (made from ``spec``) with one setns(2) call (a pidfd and several flags: Linux 5.8+),
+    then drop the bounding set as enter_sandbox does. What the worker's sandbox built (its private
+    /tmp, /dev, /proc, hidden paths) is then this process's view too: an exec probe sees what its
+    worker sees. With a pid namespace only the children of the caller are born inside it: the
+    caller must fork once more (see runtime/enter.py). Raises SandboxStepError."""
+    step = _Steps()
+    flags = 0
+    for name in spec.namespaces:
+        flags |= _SETNS_FLAGS.get(name, 0)
+    with step(f"join the worker's namespaces ({', '.join(spec.namespaces)})"):
+        check(libc.setns(pidfd, flags), "setns")
+    _drop_bounding_set(spec, step)
+
+
 def _mounts(spec: SandboxSpec, step: _Steps) -> None:
+    with step("open the paths to expose"):
+        exposed = mounts.open_exposed([(e.path, e.writable) for e in spec.expose])
+    try:
+        _mount_all(spec, step, exposed)
+    finally:
+        mounts.close_exposed(exposed)
+
+
+def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bool]]) -> None:
     with step("make / private"):
         mounts.make_private("/")
     if spec.hide_other_processes or "pid" in spec.namespaces:
@@ -198,7 +232,7 @@ def _mounts(spec: SandboxSpec, step: _Steps) -> None:
             mounts.mount_home(spec.home, spec.home_mount)
     if spec.hide_paths:
         with step("hide paths"):
-            mounts.hide(spec.hide_paths)
+            mounts.hide(spec.hide_paths, exposed)
 
 
 def switch_user(spec: SandboxSpec) -> None:

@@ -20,7 +20,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,22 +347,90 @@ def _same_node(path: str, kind: int, major: int, minor: int) -> bool:
 # -- hidden paths and HOME -------------------------------------------------------------------------
 
 
-def hide(paths: Iterable[str]) -> list[str]:
+def open_exposed(expose: Sequence[tuple[str, bool]]) -> dict[str, tuple[int, bool]]:
+    """O_PATH descriptors on the host's ``(path, writable)`` pairs to show again inside hidden
+    directories, taken before any mount covers them (the private /tmp covers a state directory
+    under /tmp before the hiding step). Opened after unshare(CLONE_NEWNS): a bind mount's source
+    must be a mount of the caller's own namespace (EINVAL otherwise). The caller closes them
+    (:func:`close_exposed`)."""
+    handles: dict[str, tuple[int, bool]] = {}
+    try:
+        for path, writable in expose:
+            handles[path] = (os.open(path, os.O_PATH | os.O_CLOEXEC), writable)
+    except OSError:
+        close_exposed(handles)
+        raise
+    return handles
+
+
+def close_exposed(handles: Mapping[str, tuple[int, bool]]) -> None:
+    for fd, _ in handles.values():
+        os.close(fd)
+
+
+def hide(paths: Iterable[str], exposed: Mapping[str, tuple[int, bool]] | None = None) -> list[str]:
     """Cover each existing path with something empty and read-only: a tiny tmpfs for a directory,
-    /dev/null for a file. Returns the paths hidden (a path that does not exist has nothing to hide)."""
+    /dev/null for a file. Returns the paths hidden (a path that does not exist has nothing to hide).
+
+    ``exposed`` (from :func:`open_exposed`): paths inside hidden directories shown again at the same
+    place, bound from their descriptors onto mount points made in the covering tmpfs, whose
+    directories are traverse-only (0711: the worker reaches what it was given without listing its
+    neighbours); the tmpfs is made read-only once they are in. One whose hidden directory is no
+    longer there (under the private /tmp) gets its mount point made where it was."""
+    exposed = exposed or {}
+    placed: set[str] = set()
     hidden = []
     for path in paths:
         try:
             is_dir = stat.S_ISDIR(os.stat(path).st_mode)
         except FileNotFoundError:
             continue
-        if is_dir:
+        inside = {p: h for p, h in exposed.items() if p.startswith(path.rstrip("/") + "/")}
+        if is_dir and inside:
+            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+            mount("tmpfs", path, "tmpfs", flags, f"size=64k,nr_inodes={16 + 8 * len(inside)},mode=0711")
+            for where, (fd, writable) in inside.items():
+                _place(where, fd, writable)
+            mount(None, path, None, MS_REMOUNT | MS_RDONLY | flags)
+            placed.update(inside)
+        elif is_dir:
             mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, _HIDE_OPTIONS)
         else:
             # Not nodev: the file now reads as /dev/null, which nodev would refuse to open.
             bind("/dev/null", path, flags=MS_RDONLY | MS_NOSUID | MS_NOEXEC)
         hidden.append(path)
+    for where, (fd, writable) in exposed.items():
+        if where not in placed:
+            _place(where, fd, writable)
     return hidden
+
+
+def _traverse_only_dirs(path: str) -> None:
+    """Make ``path`` and its missing parents 0711 each (os.makedirs gives its mode to the last one
+    only): the worker passes through to what it was given and lists none of them."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.mkdir(directory, 0o711)
+
+
+def _place(path: str, fd: int, writable: bool) -> None:
+    """A mount point at ``path`` (and traverse-only directories above it where missing), and the
+    host's file or directory behind ``fd`` bound on it."""
+    umask = os.umask(0)  # the modes asked for, whatever the launching process's umask
+    try:
+        _traverse_only_dirs(os.path.dirname(path))
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o711)
+        else:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o444))
+    finally:
+        os.umask(umask)
+    keep = MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY | MS_NOEXEC)
+    bind(f"/proc/self/fd/{fd}", path, flags=keep)
 
 
 def mount_home(host_dir: str, mount_point: str) -> None:

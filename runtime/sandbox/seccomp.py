@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -176,8 +177,10 @@ DEFAULT_PROFILE = Profile(
 PROFILES: dict[str, Profile | None] = {"default": DEFAULT_PROFILE, "unconfined": None}
 
 
+@functools.lru_cache(maxsize=8)
 def restricted_syscalls(profile_name: str) -> frozenset[str]:
-    """Names the profile denies or filters: the names a slot may opt out of."""
+    """Names the profile denies or filters: the names a slot may opt out of (cached: every launch
+    request's spec checks its opt-outs against it in the launching child)."""
     profile = PROFILES.get(profile_name)
     return profile.restricted() if profile is not None else frozenset()
 

@@ -74,6 +74,15 @@ class DeviceNode:
 
 
 @dataclass(frozen=True)
+class Exposed:
+    """A host path inside a hidden directory that the worker sees again, at the same place: its
+    slot file, HOME and TMPDIR live under the agent's state directory, which is hidden whole."""
+
+    path: str
+    writable: bool = False
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """One worker's sandbox. Sizes are bytes; ``None`` for /tmp or /dev/shm keeps the host's."""
 
@@ -93,6 +102,8 @@ class SandboxSpec:
     devices: tuple[DeviceNode, ...] = ()
     #: Host paths the worker must not see (the agent's state directory, its token file).
     hide_paths: tuple[str, ...] = ()
+    #: Paths under ``hide_paths`` shown again at the same place (bind mounts of the host's).
+    expose: tuple[Exposed, ...] = ()
     cgroup_view: str = "read-only"
     #: A private /proc where other users' processes are invisible (hidepid=invisible).
     hide_other_processes: bool = True
@@ -122,11 +133,19 @@ class SandboxSpec:
             raise InvalidRequest("sandbox devices: the same /dev path is listed twice")
         if self.devices and not self.private_dev:
             raise InvalidRequest("sandbox devices are placed in the private /dev; they need private_dev")
-        for path in (*self.hide_paths, self.home, self.home_mount):
+        for path in (*self.hide_paths, *(e.path for e in self.expose), self.home, self.home_mount):
             if path is not None and (
                 not path.startswith("/") or os.path.normpath(path) != path or path == "/"
             ):
                 raise InvalidRequest(f"sandbox path {path!r} must be a normalised absolute path other than /")
+        for exposed in self.expose:
+            if not any(_under(exposed.path, hidden) for hidden in self.hide_paths):
+                raise InvalidRequest(
+                    f"sandbox expose {exposed.path!r}: no hidden path covers it (expose shows a path "
+                    "inside a hidden directory again)"
+                )
+        if len({e.path for e in self.expose}) != len(self.expose):
+            raise InvalidRequest("sandbox expose: the same path is listed twice")
         if self.home_mount is not None and self.home is None:
             raise InvalidRequest(
                 "sandbox home_mount names where HOME appears; it needs home (the host directory)"
@@ -212,10 +231,16 @@ class SandboxSpec:
                 fixed[key] = tuple(fixed[key])
         if "devices" in fixed:
             fixed["devices"] = tuple(DeviceNode(**node) for node in fixed["devices"])
+        if "expose" in fixed:
+            fixed["expose"] = tuple(Exposed(**item) for item in fixed["expose"])
         try:
             return cls(**fixed)
         except TypeError as err:
             raise InvalidRequest(f"sandbox spec: {err}") from None
+
+
+def _under(path: str, directory: str) -> bool:
+    return path.startswith(directory.rstrip("/") + "/")
 
 
 def _check_id(value: int, what: str) -> None:

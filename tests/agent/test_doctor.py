@@ -31,6 +31,10 @@ PROC_COMMON = {
     "sys/kernel/unprivileged_bpf_disabled": "2\n",
     "swaps": "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n",
     "cpuinfo": "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2\n\n",
+    # What the worker sandbox needs: namespaces, seccomp filter mode, a kernel with hidepid.
+    "sys/kernel/osrelease": "6.1.0\n",
+    "sys/kernel/seccomp/actions_avail": "kill_process kill_thread errno trace log allow\n",
+    **{f"self/ns/{ns}": "" for ns in ("mnt", "pid", "ipc", "uts", "cgroup", "user")},
 }
 SYS_COMMON = {"sys/devices/system/cpu/isolated": "\n"}
 
@@ -93,6 +97,7 @@ def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRo
         "euid": 0,
         "bpf_probe": lambda: None,
         "firewall_probe": lambda: None,
+        "sandbox_probe": lambda: {"namespace mount": "ok", "seccomp filter": "ok"},
         "which": lambda name: f"/usr/sbin/{name}",
         "gpus": lambda sys_root: (),
         "fpgas": lambda sys_root, dev_root: (),
@@ -119,6 +124,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "device access control",
             "network namespaces",
             "network firewall",
+            "worker sandbox",
             "GPUs",
             "MIG",
             "FPGAs",
@@ -453,3 +459,42 @@ def test_foreign_cpu_time_warns_above_one_percent() -> None:
     assert foreign.status == "WARN"
     assert foreign.detail.startswith("b (CPUs 2): 30.00%")
     assert agent_checks({}, [shared])[1].detail == "no guaranteed slot to measure"
+def test_sandbox_that_works_is_ok_and_says_what_was_tried(tmp_path: Path) -> None:
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2)))["worker sandbox"]
+    assert found.status == "OK"
+    assert "tried live" in found.detail
+    assert "cgroup, ipc, mount, pid, user, uts" in found.detail
+
+
+@pytest.mark.parametrize(
+    ("change", "probe", "expected"),
+    [
+        pytest.param({"proc/sys/kernel/osrelease": "5.4.0\n"}, {}, "hidepid", id="kernel-before-5.8"),
+        pytest.param(
+            {"proc/sys/kernel/seccomp/actions_avail": "allow\n"}, {}, "seccomp", id="no-filter-mode"
+        ),
+        pytest.param(
+            {}, {"namespace mount": "EPERM: Operation not permitted"}, "namespace mount: EPERM", id="live"
+        ),
+    ],
+)
+def test_sandbox_missing_a_piece_is_a_warning_that_says_what_to_do(
+    tmp_path: Path, change: dict[str, str], probe: dict[str, str], expected: str
+) -> None:
+    roots = fake_host(tmp_path, {**HEALTHY_V2, **change}, sandbox_probe=lambda: probe)
+    checks = run_checks(roots)
+    found = by_name(checks)["worker sandbox"]
+    assert found.status == "WARN"
+    assert expected in found.detail
+    assert "enabled = false" in found.hint
+    assert exit_code(checks) == 0
+
+
+def test_sandbox_is_not_tried_without_root(tmp_path: Path) -> None:
+    def probe() -> dict[str, str]:
+        raise AssertionError("namespaces and mounts need root: no live probe as non-root")
+
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2, euid=1000, sandbox_probe=probe)))[
+        "worker sandbox"
+    ]
+    assert (found.status, "not root" in found.detail) == ("WARN", True)

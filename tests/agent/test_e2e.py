@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,13 +176,14 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
 # =========================================================================== checks
 
 
-def worker_request(name: str, port: int) -> dict[str, Any]:
+def worker_request(name: str, port: int, python: str) -> dict[str, Any]:
+    """The example worker; ``python`` must be runnable by the slot's own uid (tests.workerpy)."""
     return {
         "name": name,
         "qos": "guaranteed",
         "resources": {"cpus": 1, "memory": "256Mi"},
         "worker": {
-            "command": [sys.executable, str(REPO / "examples" / "oip_worker.py"), "--port", str(port)],
+            "command": [python, str(REPO / "examples" / "oip_worker.py"), "--port", str(port)],
             "readiness": {"http": {"port": port, "path": f"/v2/models/{MODEL}/ready"}, "period_seconds": 0.2},
             "restart": "on-failure",
             "stop_grace_seconds": 10,
@@ -242,6 +242,12 @@ def check_confined(slot: dict[str, Any]) -> int:
     assert int((mounts["memory"] / slot["cgroup"] / limit_file).read_text()) == 256 << 20
     env = proc_environ(pid)
     assert env.get("NODEAGENT_SLOT_ID") == slot["id"]
+    # Sandboxed by default: the slot's own uid (no capabilities), from the configured range.
+    uid = int(proc_status(pid, "Uid").split()[0])
+    assert 600000 <= uid <= 665535, f"worker {pid} runs as uid {uid}"
+    assert slot["sandbox"] == {"uid": uid, "gid": uid}, slot["sandbox"]  # what the API says it is
+    assert int(proc_status(pid, "CapEff"), 16) == 0
+    assert proc_status(pid, "Seccomp") == "2"
     assert env.get("OMP_NUM_THREADS") == str(len(cpus)) == "1"
     return pid
 
@@ -263,12 +269,14 @@ def infer(port: int, host: str = "127.0.0.1") -> list[float]:
 # =========================================================================== the test
 
 
-def test_allocate_isolate_serve_release(daemon: Daemon) -> None:
+def test_allocate_isolate_serve_release(daemon: Daemon, worker_python: str) -> None:
     client = daemon.start()
     port = free_port()
 
     # (a) CLI: a guaranteed slot with the example worker.
-    out = daemon.cli("allocate", "--request", json.dumps(worker_request("natest-llm", port)), "--json")
+    out = daemon.cli(
+        "allocate", "--request", json.dumps(worker_request("natest-llm", port, worker_python)), "--json"
+    )
     guaranteed = json.loads(out)
     assert (guaranteed["state"], guaranteed["assignment"]["exclusive"]) in (
         ("ready", True),
@@ -298,7 +306,7 @@ def test_allocate_isolate_serve_release(daemon: Daemon) -> None:
     # (b) REST: a burstable slot in its own network namespace runs on the pool, not on the exclusive CPU,
     # and its worker, listening inside the namespace, is probed and served through the slot's address.
     web_port = free_port()
-    web = worker_request("natest-web", web_port)
+    web = worker_request("natest-web", web_port, worker_python)
     web["qos"] = "burstable"
     web["resources"] = {"cpus": 0.5, "memory": "256Mi", "network": {}}
     response = client.post("/v1/slots", json=web)

@@ -27,6 +27,7 @@ from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.supervisor import Supervisor
 from nodeagent.runtime.workers import Readoption
 from nodeagent.schema.request import ResourcesPatch, parse_slot_request
@@ -227,7 +228,13 @@ class FakeRuntime:
     def __init__(self, world: World) -> None:
         self.world = world
 
-    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
+    def supervisor(
+        self,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None = None,
+    ) -> Supervisor:
         template = LaunchRequest(
             launch_id=slot.slot_id, argv=spec.command, env={}, run_dir="/x", log_dir="/x"
         )

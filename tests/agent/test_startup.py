@@ -35,6 +35,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\n')
     yield d
     d.stop()
+    d.stop_keeper()  # the agent keeps its keeper (and workers) across its own stop
     isolation = {"cgroup_parent": PARENT, **HOST_OFF}
     cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=d.state)
     isolation = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())

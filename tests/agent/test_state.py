@@ -167,3 +167,25 @@ def test_concurrent_writers_do_not_lose_updates(store: StateStore) -> None:
         t.join()
     assert len(store.list_slots()) == 200
     assert len(store.events(limit=1000)) == 200
+
+
+def test_each_slot_keeps_its_own_sandbox_uid_until_its_row_goes(store: StateStore) -> None:
+    store.insert_slot(slot("s1", "a"))
+    store.insert_slot(slot("s2", "b"))
+    host_users = {700000}  # the host's passwd names this one: never handed out
+    first = store.sandbox_uid("s1", 700000, 700010, host_users.__contains__)
+    second = store.sandbox_uid("s2", 700000, 700010, host_users.__contains__)
+    assert (first, second) == (700001, 700002)
+    assert store.sandbox_uid("s1", 700000, 700010, host_users.__contains__) == first  # kept
+    assert store.sandbox_uids() == {"s1": first, "s2": second}
+    store.delete_slot("s1")  # released: its uid is free again
+    store.insert_slot(slot("s3", "c"))
+    assert store.sandbox_uid("s3", 700000, 700010, host_users.__contains__) == first
+
+
+def test_a_used_up_uid_range_is_refused_with_what_to_do(store: StateStore) -> None:
+    store.insert_slot(slot("s1", "a"))
+    store.insert_slot(slot("s2", "b"))
+    store.sandbox_uid("s1", 700000, 700000, lambda uid: False)
+    with pytest.raises(StateError, match=r"no free uid left in \[sandbox\] uid_range 700000-700000.*widen"):
+        store.sandbox_uid("s2", 700000, 700000, lambda uid: False)

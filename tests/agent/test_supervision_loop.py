@@ -24,6 +24,7 @@ from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.supervisor import Backoff, Supervisor
 from nodeagent.schema.request import parse_slot_request
 from nodeagent.schema.worker import WorkerSpec
@@ -87,7 +88,13 @@ class SleepRuntime(FakeRuntime):
         self._started = started
         self.backoff = Backoff(initial_seconds=0.2)
 
-    def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
+    def supervisor(
+        self,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None = None,
+    ) -> Supervisor:
         slot_id = slot.slot_id
         template = LaunchRequest(launch_id=slot_id, argv=spec.command, env={}, run_dir="/x", log_dir="/x")
         launcher = SleepLauncher(self.processes, slot_id, self._started)

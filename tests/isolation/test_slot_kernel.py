@@ -544,3 +544,19 @@ def test_remove_orphans_keeps_known_slots(isolator: SlotIsolator, start_in) -> N
     assert orphan.proc.wait(timeout=10) == -9
     assert list(isolator.list_owned().cgroups) == ["known"]
     assert wait_for(lambda: not open_manager(isolator.host, removed.cgroups["orphan"]).exists())
+
+
+def test_a_slot_left_half_made_across_v1_hierarchies_is_still_listed(
+    isolator: SlotIsolator, host: CgroupHost
+) -> None:
+    """An agent killed while it made or removed a slot's cgroups leaves the slot in some v1
+    hierarchies and not in cpuset: start-up must still see it (to remove or rebuild it), not stop
+    on its missing cpuset files."""
+    isolator.ensure_hierarchy()
+    relpath = f"{isolator.config.cgroup_parent}/burstable/shalfmade0001"
+    (host.v1_mounts["pids"] / relpath).mkdir()
+    owned = {o.slot_id: o for o in isolator.owned_slots()}
+    assert owned["shalfmade0001"].applied.cpus == frozenset()
+    assert owned["shalfmade0001"].applied.mems is None
+    assert "shalfmade0001" in isolator.remove_orphans(set()).cgroups
+    assert not (host.v1_mounts["pids"] / relpath).exists()

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, SandboxStepError, enter_sandbox, mounts
+from nodeagent.runtime.sandbox import (
+    DeviceNode,
+    Exposed,
+    SandboxSpec,
+    SandboxStepError,
+    enter_sandbox,
+    mounts,
+)
 from tests.runtime.sandbox.child import NOBODY, Child, in_child, os_error_of, python, run, start
 
 pytestmark = pytest.mark.root
@@ -400,3 +407,57 @@ def test_hidepid_is_refused_where_it_would_change_the_hosts_proc():
         return []
 
     assert in_child(attempt) == ["private /proc", errno.EOPNOTSUPP, True]
+
+
+SEE_VIEW = """
+import errno, json, os, sys
+state, view = sys.argv[1], sys.argv[2]
+def attempt(action):
+    try:
+        return action()
+    except OSError as err:
+        return errno.errorcode[err.errno]
+def write(path):
+    with open(path, "w") as handle:
+        handle.write("mine")
+    return "ok"
+print(json.dumps({
+    "state": attempt(lambda: sorted(os.listdir(state))),
+    "secret": attempt(lambda: open(os.path.join(state, "secret")).read()),
+    "slot": attempt(lambda: open(os.path.join(view, "slot.json")).read()),
+    "home": attempt(lambda: write(os.path.join(view, "home", "f"))),
+    "replace slot": attempt(lambda: os.rename(f"{view}/home/f", f"{view}/slot.json")),
+    "beside view": attempt(lambda: write(os.path.join(os.path.dirname(view), "x"))),
+    "mode of the way": oct(os.stat(os.path.dirname(view)).st_mode & 0o777),
+}))
+"""
+
+
+def test_a_hidden_directory_shows_only_what_is_exposed_in_it(host_dir: Path):
+    """The agent's layout: the state directory hidden, the slot's view/ bound again at its path."""
+    state = host_dir / "state"
+    view = state / "workers" / "s1" / "view"
+    (view / "home").mkdir(parents=True)
+    for path in (state, state / "workers", view.parent, view):
+        path.chmod(0o755)
+    os.chown(view / "home", NOBODY, NOBODY)
+    (view / "slot.json").write_text('{"slot": 1}')
+    (view / "slot.json").chmod(0o644)
+    (state / "secret").write_text("s3cret")
+    (state / "secret").chmod(0o644)
+    spec = confined(hide_paths=(str(state),), expose=(Exposed(str(view), writable=True),))
+    seen = json.loads(run(spec, [*python(SEE_VIEW), str(state), str(view)]).output)
+    assert seen == {
+        "state": "EACCES",  # traverse-only: its neighbours are not listed
+        "secret": "ENOENT",
+        "slot": '{"slot": 1}',
+        "home": "ok",
+        "replace slot": "EACCES",  # view/ is root's: the slot file stays the agent's
+        "beside view": "EROFS",
+        "mode of the way": "0o711",
+    }
+    assert (view / "home" / "f").read_text() == "mine"  # the host's directory, written through
+    # Control: the same user without the sandbox sees the whole state directory.
+    free = json.loads(run(None, [*python(SEE_VIEW), str(state), str(view)], user=NOBODY).output)
+    assert free["state"] == ["secret", "workers"]
+    assert free["secret"] == "s3cret"

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from nodeagent.errors import InvalidRequest
-from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, home_directory
+from nodeagent.runtime.sandbox import DeviceNode, Exposed, SandboxSpec, home_directory
 
 INIT = "/usr/local/bin/dumb-init"
 
@@ -37,6 +37,7 @@ def test_json_round_trip_keeps_every_field():
         cgroup_view="namespace",
         devices=(DeviceNode("/dev/nvidia0", "c", 195, 0, 0o666),),
         hide_paths=("/var/lib/nodeagent",),
+        expose=(Exposed("/var/lib/nodeagent/workers/s1/view", writable=True),),
         home="/var/lib/nodeagent/homes/a",
         home_mount="/home/worker",
         hostname="slot-a",
@@ -91,6 +92,19 @@ def test_home_is_the_mount_point_when_there_is_one():
         pytest.param({"hide_paths": ("/",)}, "other than /", id="hide-root"),
         pytest.param({"home": "/h/../etc"}, "normalised absolute path", id="home-dotdot"),
         pytest.param({"home_mount": "/home/w"}, "needs home", id="home-mount-without-home"),
+        pytest.param(
+            {"expose": (Exposed("/srv/view"),)}, "no hidden path covers it", id="expose-without-hiding"
+        ),
+        pytest.param(
+            {"hide_paths": ("/srv",), "expose": (Exposed("/srv/v"), Exposed("/srv/v", writable=True))},
+            "listed twice",
+            id="expose-twice",
+        ),
+        pytest.param(
+            {"hide_paths": ("/srv",), "expose": (Exposed("/srv/../etc"),)},
+            "normalised absolute path",
+            id="expose-not-normalised",
+        ),
         pytest.param(
             {"private_dev": False, "devices": (DeviceNode("/dev/x", "c", 1, 3),)},
             "need private_dev",

@@ -1,0 +1,80 @@
+"""Interpreters a sandboxed worker can run, for tests that launch real servers in default slots.
+
+A default slot's worker runs under the slot's own unprivileged uid, so its program must be
+readable and executable by that uid. This test run's own interpreter may not be: a venv made from
+a Python under root's home (0700) is not. So these tests build a small venv from a world-usable
+system Python, in a world-readable directory outside /tmp (which the sandbox replaces), with what
+the server needs installed by this run's pip, and remove it at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+#: System interpreters a non-root user can run, most likely first.
+CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
+
+
+def usable_by_others(path: str) -> bool:
+    """Whether a user who is neither the owner nor in the group can execute ``path``: the file and
+    every directory above it (after resolving links) have the "other" execute bit."""
+    real = Path(os.path.realpath(path))
+    try:
+        if not real.stat().st_mode & stat.S_IXOTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in real.parents)
+    except OSError:
+        return False
+
+
+def world_python() -> str:
+    """A Python 3 of the host that any uid can run and that can make a venv."""
+    for candidate in CANDIDATES:
+        if usable_by_others(candidate):
+            return candidate
+    pytest.fail(f"no Python interpreter usable by an unprivileged uid among {', '.join(CANDIDATES)}")
+
+
+def make_venv(where: Path, packages: list[str], timeout: float = 900) -> Path:
+    """A venv at ``where`` with ``packages``, installed by this run's pip; its python."""
+    subprocess.run([world_python(), "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = where / "bin" / "python"
+    if packages:
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", *packages],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.fail(
+                f"installing {packages} into {where} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+            )
+    return python
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+@pytest.fixture(scope="session")
+def worker_python() -> Iterator[str]:
+    """A python with NumPy (the example OIP worker's one dependency) that a slot's uid can run."""
+    base = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-py-", dir="/var/tmp"))
+    base.chmod(0o755)
+    try:
+        yield str(make_venv(base / "venv", [f"numpy=={_version('numpy')}"]))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
