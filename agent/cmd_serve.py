@@ -36,12 +36,28 @@ from nodeagent.agent.config import apply_overrides, load_config
     is_flag=True,
     help="Remove slots that run on this host but that the state database lost, killing their processes.",
 )
-def command(
+@click.option(
+    "--on-agent-stop",
+    type=click.Choice(["keep", "stop"]),
+    default=None,
+    help="What stopping the agent (systemctl stop, not a restart) does to running workers "
+    "[default: [workers] on_agent_stop, keep].",
+)
+@click.option(
+    "--systemd-delegation",
+    type=click.Choice(["auto", "off"]),
+    default=None,
+    help="auto: under systemd, create cgroups only where a unit delegates them (docs/systemd.md); "
+    "off: use [isolation] cgroup_parent [default: [systemd] delegation, auto].",
+)
+def command(  # noqa: PLR0917 - click passes each option by position
     config_file: Path | None,
     listen: str | None,
     state_dir: Path | None,
     recover: bool,
     discard_orphans: bool,
+    on_agent_stop: str | None,
+    systemd_delegation: str | None,
 ) -> None:
     """Run the agent: reconcile, supervise workers, serve the REST API, report to the controller."""
     from nodeagent.agent.daemon import serve  # noqa: PLC0415 - keep other commands' start-up light
@@ -54,5 +70,11 @@ def command(
         mode = RecoveryMode.RECOVER
     elif discard_orphans:
         mode = RecoveryMode.DISCARD
-    config = apply_overrides(load_config(config_file), listen=listen, state_dir=state_dir)
+    config = apply_overrides(
+        load_config(config_file),
+        listen=listen,
+        state_dir=state_dir,
+        on_agent_stop=on_agent_stop,
+        systemd_delegation=systemd_delegation,
+    )
     serve(config, recovery=mode)

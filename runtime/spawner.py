@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from nodeagent.cgroups.delegation import KEEPER, ProcessPlacement
 from nodeagent.errors import WorkerError
 from nodeagent.runtime.enter import Trace
 from nodeagent.runtime.keeper import run_idle_keeper
@@ -182,10 +183,19 @@ def _describe_failure(report: bytes) -> str:
 class Spawner:
     """The agent's handle on its spawner process. Thread-safe: one launch on the wire at a time."""
 
-    def __init__(self, python: str = sys.executable, *, idle_keepers: int = 2) -> None:
+    def __init__(
+        self,
+        python: str = sys.executable,
+        *,
+        idle_keepers: int = 2,
+        placement: ProcessPlacement | None = None,
+    ) -> None:
         """``idle_keepers``: how many keepers (each with its worker child) wait ready; two absorb
-        a launch that follows another before the spawner has forked the next one."""
+        a launch that follows another before the spawner has forked the next one. ``placement``:
+        where the spawner and its keepers belong (the delegated cgroup's ``keeper/`` leaf under
+        systemd); without one they stay in the agent's cgroup."""
         self._python = python
+        self._placement = placement
         self._idle_keepers = max(1, idle_keepers)
         self._lock = threading.Lock()
         self._channel: socket.socket | None = None
@@ -200,8 +210,11 @@ class Spawner:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # No preexec_fn: CPython can then use vfork, which is safe from a threaded process.
+            argv = [self._python, "-m", "nodeagent.runtime.spawner", str(theirs.fileno())]
+            if self._placement is not None:
+                argv = self._placement.command(KEEPER, argv)
             self._process = subprocess.Popen(
-                [self._python, "-m", "nodeagent.runtime.spawner", str(theirs.fileno())],
+                argv,
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
             )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
+from nodeagent.cgroups.delegation import ProcessPlacement
 from nodeagent.errors import NotFound
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
@@ -103,10 +104,19 @@ class NoCgroup:
 class SpawnerRuntime:
     """The real :class:`WorkerRuntime` (see the module docstring for the directory layout)."""
 
-    def __init__(self, workers_dir: Path, host: CgroupHost | None, spawner: Spawner | None = None) -> None:
+    def __init__(
+        self,
+        workers_dir: Path,
+        host: CgroupHost | None,
+        spawner: Spawner | None = None,
+        *,
+        placement: ProcessPlacement | None = None,
+    ) -> None:
+        """``placement``: where the agent's helpers belong (under systemd, the delegated cgroup's
+        ``keeper/`` leaf); the spawner, and the keepers it forks, start there."""
         self._dir = workers_dir
         self._host = host
-        self._spawner = spawner or Spawner()
+        self._spawner = spawner or Spawner(placement=placement)
         self._launcher = SpawnerLauncher(self._spawner)
 
     def supervisor(self, slot: SlotDescription, applied: AppliedSlot | None, spec: WorkerSpec) -> Supervisor:
