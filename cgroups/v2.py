@@ -71,8 +71,9 @@ class V2Manager(CgroupManager):
                 # that is missing means the delegation is gone, and a directory made here would be
                 # ours in a tree that is not.
                 raise CgroupError(
-                    f"cannot create cgroup {self.relpath}: {ancestor} does not exist, and it is the delegated "
-                    f"cgroup {self._configure_from} or lies above it, which only their owner creates"
+                    f"cannot create cgroup {self.relpath}: {ancestor} does not exist, and it is the "
+                    f"delegated cgroup {self._configure_from} or lies above it, which only their owner "
+                    "creates"
                 )
             if _is_within(ancestor, self._configure_from):
                 self._enable_controllers(ancestor)

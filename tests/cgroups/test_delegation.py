@@ -274,7 +274,7 @@ def test_booted_is_the_sd_booted_mark(tmp_path: Path) -> None:
 
 
 def v2_host(tmp_path: Path, root_procs: Sequence[int] = (), pin: Sequence[int] = ()) -> CgroupHost:
-    """A fake pure-v2 tree with systemd's delegated cgroup SLOTS_UNIT (controllers available, none enabled)."""
+    """A fake pure-v2 tree in which systemd delegated SLOTS_UNIT (controllers available, none enabled)."""
     controllers = "cpuset cpu io memory pids\n"
     write_tree(
         tmp_path,
@@ -356,7 +356,7 @@ def test_the_v2_manager_never_creates_above_the_delegated_cgroup(tmp_path: Path)
             child.unlink()
         (tmp_path / SLOTS_UNIT / leaf).rmdir()
     (tmp_path / SLOTS_UNIT).rmdir()  # systemd removed the delegated cgroup
-    with pytest.raises(CgroupError, match="is the delegated cgroup .* or lies above it"):
+    with pytest.raises(CgroupError, match=r"is the delegated cgroup .* or lies above it"):
         open_manager(host, f"{SLOTS_UNIT}/slots/web").create()
     assert not (tmp_path / SLOTS_UNIT).exists()
 
@@ -379,10 +379,10 @@ def test_a_helper_joins_its_leaf_in_every_v1_hierarchy(real_host: CgroupHost) ->
         while f"{root}/keeper" not in Path(f"/proc/{process.pid}/cgroup").read_text():
             assert time.monotonic() < deadline, "the helper never joined its leaf"
             time.sleep(0.01)
-        lines = dict(
-            (line.split(":")[1], line.split(":")[2])
+        lines = {
+            line.split(":")[1]: line.split(":")[2]
             for line in Path(f"/proc/{process.pid}/cgroup").read_text().split()
-        )
+        }
         for controller in ("cpuset", "memory", "pids"):
             key = next(k for k in lines if controller in k.split(","))
             assert lines[key] == f"/{root}/keeper", controller
@@ -390,4 +390,4 @@ def test_a_helper_joins_its_leaf_in_every_v1_hierarchy(real_host: CgroupHost) ->
     finally:
         process.kill()
         process.wait()
-        remove_subtree(real_host, root.split("/")[0])
+        remove_subtree(real_host, root.split("/", 1)[0])
