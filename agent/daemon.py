@@ -3,8 +3,9 @@
 Order of start-up: configuration -> state directory (0700) and API token (0600) -> topology ->
 slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/or a unix socket)
 -> ``READY=1`` to systemd once the sockets listen, then ``WATCHDOG=1`` pings when systemd asked
-for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but never the workers: they
-are not our children and outlive the agent, and the next start re-adopts them.
+for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but not the workers: they
+are not our children and outlive the agent, and the next start re-adopts them (unless this is a stop,
+not a restart, and ``[workers] on_agent_stop = "stop"``: agent/systemd.py).
 
 Logs go to the journal as structured entries when systemd connected stdout to it (agent/journal.py),
 else as JSON lines on stdout. Under systemd, cgroups go where a unit delegates them (agent/systemd.py).

@@ -217,6 +217,9 @@ class Spawner:
                 argv,
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                # Not the agent's working directory: `python -m` puts it first on sys.path, and a
+                # checkout there would shadow the installed package.
+                cwd="/",
             )
         except OSError as err:
             ours.close()

@@ -398,3 +398,49 @@ def test_the_watchdog_is_pinged(node: Node) -> None:
     time.sleep(16)
     second = int(show("nodeagent.service", "WatchdogTimestampMonotonic")["WatchdogTimestampMonotonic"])
     assert second > first > 0
+
+
+def test_in_a_delegated_scope_the_agent_moves_into_a_leaf_of_it(node: Node, tmp_path: Path) -> None:
+    """The other way to hand the agent a cgroup (a trial run): ``systemd-run --scope -p Delegate=yes``.
+    A scope never has a process started in it by systemd, so the agent leaves the scope's root for
+    agent/ and puts the keeper and the slots beside it. (Last: its cgroups are not nodeagent's.)"""
+    scope = "natest-island.scope"
+    (tmp_path / "config.toml").write_text("")
+    argv = [str(PREFIX / "venv/bin/nodeagent"), "serve", "--config", str(tmp_path / "config.toml")]
+    argv += ["--state-dir", str(tmp_path / "state"), "--listen", "127.0.0.1:7071"]
+    with (tmp_path / "log").open("wb") as log:
+        agent = subprocess.Popen(
+            ["systemd-run", "--scope", "--quiet", f"--unit={scope}", "-p", "Delegate=yes", "--", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+        )
+    try:
+        root = wait_until("the scope", lambda: show(scope, "ControlGroup")["ControlGroup"].strip("/"))
+
+        def ready() -> bool:
+            assert agent.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            try:
+                return httpx.get("http://127.0.0.1:7071/readyz", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("the agent in the scope", ready)
+        token = (tmp_path / "state/token").read_text().strip()
+        with httpx.Client(
+            base_url="http://127.0.0.1:7071", headers={"Authorization": f"Bearer {token}"}, timeout=300
+        ) as api:
+            response = api.post("/v1/slots", json={"name": "b", **SLOTS["b"], "worker": WORKER})
+            assert response.status_code == 201, response.text
+            slot = response.json()
+            assert slot["cgroup"].strip("/") == f"{root}/slots/burstable/{slot['id']}"
+            worker = wait_until(
+                "the worker", lambda: (w := api.get(f"/v1/slots/{slot['id']}").json()["worker"])["pid"] and w
+            )
+        assert procs(f"{root}/agent") == [agent.pid]
+        assert procs(root) == []
+        assert procs(f"{root}/keeper")
+        assert cgroup_of(worker["pid"]) == f"{root}/slots/burstable/{slot['id']}"
+    finally:
+        run("systemctl", "stop", scope, check=False)  # ends the agent, its keeper and worker
+        agent.wait(timeout=120)
