@@ -13,7 +13,9 @@ not a path to be derived from its name (systemd's CGROUP_DELEGATION notes). The 
    unit in that very cgroup, which the kernel refuses once it enables controllers for children, so
    that service could never restart while a slot exists (status 219/CGROUP).
 2. **The slots unit** (``nodeagent-slots.service`` unless configured otherwise): a delegated service
-   that holds slots, their workers and the keeper, and is never restarted with the agent.
+   that holds slots, their workers and the keeper, and is never restarted with the agent; used only
+   by the unit that is ``PartOf=`` it (nodeagent.service), so that an agent started some other way
+   (from a shell, with another state directory) never takes slots that belong to the service.
 
 Anything else is refused with what was found and what to do. Reading the units costs one ``systemctl``
 call (about 10 ms, more under emulation).
@@ -32,7 +34,7 @@ from nodeagent.errors import CgroupError
 #: What sd_booted(3) checks.
 BOOTED_MARK = Path("run/systemd/system")
 DEFAULT_SLOTS_UNIT = "nodeagent-slots.service"
-_PROPERTIES = ("Id", "LoadState", "ActiveState", "ControlGroup", "Delegate")
+_PROPERTIES = ("Id", "LoadState", "ActiveState", "ControlGroup", "Delegate", "PartOf")
 _UNIT_SUFFIXES = (".service", ".scope")
 
 
@@ -86,6 +88,7 @@ class UnitState:
     active_state: str
     control_group: str
     delegate: bool
+    part_of: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -98,7 +101,7 @@ class UnitState:
 
 
 def parse_show(text: str) -> list[UnitState]:
-    """``systemctl show -p Id,LoadState,ActiveState,ControlGroup,Delegate UNIT...``: one block of
+    """``systemctl show -p Id,LoadState,ActiveState,ControlGroup,Delegate,PartOf UNIT...``: one block of
     KEY=VALUE lines per unit, blocks separated by an empty line."""
     units: list[UnitState] = []
     for block in text.strip().split("\n\n"):
@@ -112,6 +115,7 @@ def parse_show(text: str) -> list[UnitState]:
                 active_state=values.get("ActiveState", ""),
                 control_group=values.get("ControlGroup", "").strip("/"),
                 delegate=values.get("Delegate", "no") == "yes",
+                part_of=tuple(values.get("PartOf", "").split()),
             )
         )
     return units
@@ -160,6 +164,16 @@ def resolve(own: str, own_unit: UnitState | None, slots_unit: UnitState | None) 
             return Delegation(root=root, unit=own_unit.name, agent_leaf=AGENT)
     if slots_unit is not None:
         found.append(slots_unit.describe())
+        ours = own_unit is not None and slots_unit.name in own_unit.part_of
+        if not ours and slots_unit.load_state == "loaded":
+            runs_in = own_unit.name if own_unit else "no unit"
+            raise NoDelegation(
+                f"the agent runs in /{own} ({runs_in}), which is not PartOf= "
+                f"{slots_unit.name}: that unit's cgroup belongs to the agent of nodeagent.service, and two "
+                "agents must never share it. Run the agent with systemctl start nodeagent, or in a "
+                "delegated scope (systemd-run --scope -p Delegate=yes ...), or set [systemd] delegation = "
+                '"off" to create cgroups under [isolation] cgroup_parent behind systemd\'s back'
+            )
         if slots_unit.load_state == "loaded" and slots_unit.active_state == "active" and slots_unit.delegate:
             if not slots_unit.control_group:
                 raise DelegationLost(

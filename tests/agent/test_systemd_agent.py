@@ -55,7 +55,7 @@ class Systemctl:
 def show(slots_cgroup: str = SLOTS_UNIT, slots_active: str = "active") -> str:
     return (
         f"Id=nodeagent.service\nLoadState=loaded\nActiveState=activating\nControlGroup=/{AGENT_UNIT}\n"
-        f"Delegate=no\n\nId=nodeagent-slots.service\nLoadState=loaded\nActiveState={slots_active}\n"
+        f"Delegate=no\nPartOf=nodeagent-slots.service\n\nId=nodeagent-slots.service\nLoadState=loaded\nActiveState={slots_active}\n"
         f"ControlGroup={'/' + slots_cgroup if slots_cgroup else ''}\nDelegate=yes\n"
     )
 

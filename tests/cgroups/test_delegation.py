@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,8 +35,15 @@ AGENT_UNIT = "nodeagent.slice/nodeagent.service"
 SLOTS_UNIT = "nodeagent.slice/nodeagent-slots.service"
 
 
-def unit(name: str, cgroup: str = "", *, delegate: bool = True, active: str = "active") -> UnitState:
-    return UnitState(name, "loaded", active, cgroup, delegate)
+def unit(
+    name: str, cgroup: str = "", *, delegate: bool = True, active: str = "active", part_of: str = ""
+) -> UnitState:
+    return UnitState(name, "loaded", active, cgroup, delegate, tuple(part_of.split()))
+
+
+def agent_unit(**extra: Any) -> UnitState:
+    """nodeagent.service as installed: part of the slots unit."""
+    return unit("nodeagent.service", AGENT_UNIT, part_of="nodeagent-slots.service", **extra)
 
 
 SLOTS_ACTIVE = unit("nodeagent-slots.service", SLOTS_UNIT)
@@ -63,28 +71,21 @@ SLOTS_ACTIVE = unit("nodeagent-slots.service", SLOTS_UNIT)
         ),
         pytest.param(
             AGENT_UNIT,
-            unit("nodeagent.service", AGENT_UNIT),
+            agent_unit(),
             SLOTS_ACTIVE,
             Delegation(SLOTS_UNIT, "nodeagent-slots.service", pinned=True),
             id="delegated-service-in-its-own-cgroup-uses-the-slots-unit",
         ),
         pytest.param(
             AGENT_UNIT,
-            unit("nodeagent.service", AGENT_UNIT, delegate=False),
+            agent_unit(delegate=False),
             SLOTS_ACTIVE,
             Delegation(SLOTS_UNIT, "nodeagent-slots.service", pinned=True),
             id="plain-service-uses-the-slots-unit",
         ),
         pytest.param(
-            "user.slice/user-0.slice/session-3.scope",
-            unit("session-3.scope", "user.slice/user-0.slice/session-3.scope", delegate=False),
-            SLOTS_ACTIVE,
-            Delegation(SLOTS_UNIT, "nodeagent-slots.service", pinned=True),
-            id="shell-session-uses-the-slots-unit",
-        ),
-        pytest.param(
             "elsewhere.slice/x.service",
-            unit("nodeagent.service", AGENT_UNIT),
+            agent_unit(),
             SLOTS_ACTIVE,
             Delegation(SLOTS_UNIT, "nodeagent-slots.service", pinned=True),
             id="own-cgroup-outside-own-unit-is-not-a-subgroup",
@@ -106,25 +107,39 @@ def test_resolve(own: str, own_unit: UnitState, slots_unit: UnitState | None, ex
             id="delegated-service-without-slots-unit",
         ),
         pytest.param(
-            unit("nodeagent.service", AGENT_UNIT),
+            agent_unit(),
             unit("nodeagent-slots.service", "", active="inactive"),
             NoDelegation,
             "systemctl start nodeagent",
             id="slots-unit-inactive",
         ),
         pytest.param(
-            None,
+            agent_unit(),
             unit("nodeagent-slots.service", SLOTS_UNIT, delegate=False),
             NoDelegation,
             "no Delegate=",
             id="slots-unit-not-delegated",
         ),
         pytest.param(
-            None,
+            agent_unit(),
             unit("nodeagent-slots.service", ""),
             DelegationLost,
             "systemctl restart nodeagent-slots.service",
             id="slots-unit-active-but-its-cgroup-was-removed",
+        ),
+        pytest.param(
+            unit("session-3.scope", "user.slice/user-0.slice/session-3.scope", delegate=False),
+            SLOTS_ACTIVE,
+            NoDelegation,
+            "which is not PartOf= nodeagent-slots.service",
+            id="an-agent-from-a-shell-never-takes-the-services-slots",
+        ),
+        pytest.param(
+            None,
+            SLOTS_ACTIVE,
+            NoDelegation,
+            "\\(no unit\\), which is not PartOf=",
+            id="an-agent-outside-any-unit-neither",
         ),
     ],
 )
@@ -198,11 +213,18 @@ def test_unit_of(cgroup: str, expected: str | None) -> None:
 def test_parse_show_reads_every_block() -> None:
     text = (
         "Id=nodeagent.service\nLoadState=loaded\nActiveState=active\n"
-        f"ControlGroup=/{AGENT_UNIT}\nDelegate=no\n\n"
+        f"ControlGroup=/{AGENT_UNIT}\nDelegate=no\nPartOf=nodeagent-slots.service other.service\n\n"
         "Id=nodeagent-slots.service\nLoadState=not-found\nActiveState=inactive\nControlGroup=\nDelegate=no\n"
     )
     assert parse_show(text) == [
-        UnitState("nodeagent.service", "loaded", "active", AGENT_UNIT, False),
+        UnitState(
+            "nodeagent.service",
+            "loaded",
+            "active",
+            AGENT_UNIT,
+            False,
+            ("nodeagent-slots.service", "other.service"),
+        ),
         UnitState("nodeagent-slots.service", "not-found", "inactive", "", False),
     ]
 
@@ -228,7 +250,13 @@ def test_show_units_asks_once_for_every_unit() -> None:
     )
     units = show_units(["a.service", "b.service", "a.service"], systemctl)
     assert systemctl.calls == [
-        ["show", "--property=Id,LoadState,ActiveState,ControlGroup,Delegate", "--", "a.service", "b.service"]
+        [
+            "show",
+            "--property=Id,LoadState,ActiveState,ControlGroup,Delegate,PartOf",
+            "--",
+            "a.service",
+            "b.service",
+        ]
     ]
     assert units == {"a.service": UnitState("a.service", "loaded", "active", "x/a.service", False)}
 
@@ -239,7 +267,7 @@ def test_discover_reads_proc_and_asks_systemd(tmp_path: Path) -> None:
         {
             "show": (
                 f"Id=nodeagent.service\nLoadState=loaded\nActiveState=active\nControlGroup=/{AGENT_UNIT}\n"
-                f"Delegate=no\n\nId=nodeagent-slots.service\nLoadState=loaded\nActiveState=active\n"
+                f"Delegate=no\nPartOf=nodeagent-slots.service\n\nId=nodeagent-slots.service\nLoadState=loaded\nActiveState=active\n"
                 f"ControlGroup=/{SLOTS_UNIT}\nDelegate=yes\n"
             )
         }
