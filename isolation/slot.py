@@ -20,6 +20,7 @@ so an agent that restarts can list what it owns and remove orphans.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import socket
 import threading
@@ -300,7 +301,7 @@ class SlotIsolator:
             found = []
             for slot_id, (qos, relpath) in self._owned_cgroups().items():
                 manager = open_manager(self.host, relpath)
-                mems = self.pool.read_ids(relpath, "cpuset.mems")
+                mems = self._read_ids_of_partial(relpath, "cpuset.mems")
                 applied = AppliedSlot(
                     slot_id=slot_id,
                     qos=qos,
@@ -308,7 +309,7 @@ class SlotIsolator:
                     cgroup_version=manager.version,
                     procs_files=tuple(str(p) for p in manager.procs_files()),
                     oom_events=_oom_events_file(manager),
-                    cpus=self.pool.read_cpus(relpath),
+                    cpus=self._read_ids_of_partial(relpath, "cpuset.cpus"),
                     mems=mems or None,
                     memory_max=None,
                     sched_idle=False,
@@ -317,6 +318,17 @@ class SlotIsolator:
                 )
                 found.append(OwnedSlot(slot_id, qos, applied, tuple(manager.subtree_pids())))
             return found
+
+    def _read_ids_of_partial(self, relpath: str, name: str) -> frozenset[int]:
+        """A cpuset file of a slot cgroup, empty when the slot has no cpuset directory: on cgroup v1 a
+        slot is made one hierarchy after the other, and a crash in between leaves it without one
+        (nothing is confined there yet; start-up finishes or removes such a slot)."""
+        try:
+            return self.pool.read_ids(relpath, name)
+        except CgroupError as err:
+            if err.errno != errno.ENOENT:
+                raise
+            return frozenset()
 
     def _owned_cgroups(self) -> dict[str, tuple[QosClassName, str]]:
         """slot id -> (QoS class, cgroup relpath) of every slot cgroup under the parent."""
