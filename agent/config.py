@@ -34,6 +34,8 @@ from nodeagent.placement import PlacementOptions
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ON_AGENT_STOP = ("keep", "stop")
+DELEGATION_MODES = ("auto", "off")
 
 
 # =========================================================================== sections
@@ -125,6 +127,20 @@ class WorkersConfig:
     #: the longest the supervision loop sleeps (exits wake it at once, probes when due); also the
     #: poll interval for a worker without a pidfd
     tick_seconds: float = 0.5
+    #: what ``systemctl stop nodeagent`` (a stop, not a restart or a crash) does to running workers:
+    #: "keep" leaves them running and the next agent re-adopts them; "stop" stops each one gracefully
+    #: before the agent exits (slots and their cgroups stay) and the next agent starts them again
+    on_agent_stop: str = "keep"
+
+
+@dataclass(frozen=True)
+class SystemdConfig:
+    #: "auto": where systemd is the service manager, create cgroups only in the subtree a unit
+    #: delegates to the agent (docs/systemd.md); "off": use [isolation] cgroup_parent as on hosts
+    #: without systemd (systemd may undo what the agent does there)
+    delegation: str = "auto"
+    #: the delegated service that holds slots, workers and the keeper when the agent's own unit does not
+    slots_unit: str = "nodeagent-slots.service"
 
 
 @dataclass(frozen=True)
@@ -141,6 +157,7 @@ class AgentConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    systemd: SystemdConfig = field(default_factory=SystemdConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     #: The file this came from (None: built-in defaults).
@@ -183,6 +200,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "controller": ControllerConfig,
     "gpu": GpuConfig,
     "workers": WorkersConfig,
+    "systemd": SystemdConfig,
     "log": LogConfig,
     "sandbox": SandboxConfig,
 }
@@ -270,6 +288,21 @@ def _validate(config: AgentConfig) -> None:
             "a number of seconds in [0.1, 3600]",
         ),
         ("log.level", config.log.level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
+        (
+            "workers.on_agent_stop",
+            config.workers.on_agent_stop in ON_AGENT_STOP,
+            '"keep" (workers outlive the agent) or "stop" (the agent stops them when it is stopped)',
+        ),
+        (
+            "systemd.delegation",
+            config.systemd.delegation in DELEGATION_MODES,
+            '"auto" (use the cgroup systemd delegates) or "off" (use [isolation] cgroup_parent)',
+        ),
+        (
+            "systemd.slots_unit",
+            config.systemd.slots_unit.endswith(".service") and "/" not in config.systemd.slots_unit,
+            'a service unit name such as "nodeagent-slots.service"',
+        ),
         (
             "controller.url",
             config.controller.url == "" or config.controller.url.startswith(("http://", "https://")),
@@ -402,9 +435,27 @@ def load_config(path: Path | None = None) -> AgentConfig:
 
 
 def apply_overrides(
-    config: AgentConfig, *, listen: str | None = None, state_dir: Path | None = None
+    config: AgentConfig,
+    *,
+    listen: str | None = None,
+    state_dir: Path | None = None,
+    on_agent_stop: str | None = None,
+    systemd_delegation: str | None = None,
 ) -> AgentConfig:
-    """The command line wins over the file: ``--listen HOST:PORT`` and ``--state-dir DIR``."""
+    """The command line wins over the file: ``--listen HOST:PORT``, ``--state-dir DIR``,
+    ``--on-agent-stop keep|stop`` and ``--systemd-delegation auto|off``."""
+    if on_agent_stop is not None:
+        if on_agent_stop not in ON_AGENT_STOP:
+            expected = ", ".join(ON_AGENT_STOP)
+            raise ConfigError(f"--on-agent-stop is {on_agent_stop!r}; expected one of {expected}")
+        workers = dataclasses.replace(config.workers, on_agent_stop=on_agent_stop)
+        config = dataclasses.replace(config, workers=workers)
+    if systemd_delegation is not None:
+        if systemd_delegation not in DELEGATION_MODES:
+            expected = ", ".join(DELEGATION_MODES)
+            raise ConfigError(f"--systemd-delegation is {systemd_delegation!r}; expected one of {expected}")
+        systemd = dataclasses.replace(config.systemd, delegation=systemd_delegation)
+        config = dataclasses.replace(config, systemd=systemd)
     if listen is not None:
         try:
             parse_listen(listen)
@@ -427,6 +478,7 @@ __all__ = [
     "LogConfig",
     "PlacementConfig",
     "StateConfig",
+    "SystemdConfig",
     "WorkersConfig",
     "apply_overrides",
     "default_state_dir",

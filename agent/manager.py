@@ -201,11 +201,17 @@ class SlotManager:
 
     # ------------------------------------------------------------------ life cycle
 
-    def start(self, *, supervise: bool = True) -> ReconcileReport:
-        """Reconcile database and kernel, then (``supervise``) start the supervision thread."""
+    def start(
+        self, *, supervise: bool = True, restart_workers: frozenset[str] = frozenset()
+    ) -> ReconcileReport:
+        """Reconcile database and kernel, then (``supervise``) start the supervision thread.
+
+        ``restart_workers``: slots whose workers the previous agent stopped when it was stopped
+        (``[workers] on_agent_stop = "stop"``); each one that is meant to run is started again at once.
+        """
         if supervise:
             self._loop.open()
-        report = self.reconcile()
+        report = self.reconcile(restart_workers=restart_workers)
         if supervise:
             self._loop.start()
             if self._host is not None:
@@ -490,6 +496,44 @@ class SlotManager:
         if self._host is not None:
             self._host.slot_released(slot.id)
 
+    def stop_workers(self, timeout: float) -> list[str]:
+        """Stop every running worker gracefully (SIGTERM, its grace, then its slot is killed) and wait
+        up to ``timeout`` seconds for all of them; returns their slot ids.
+
+        For an agent that is being stopped with ``[workers] on_agent_stop = "stop"``: desired states are
+        left as they are, slots and their cgroups stay, and ``start(restart_workers=...)`` of the next
+        agent brings the workers back.
+        """
+        with self._lock:
+            stopping = [(slot_id, sup) for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            for slot_id, supervisor in stopping:
+                supervisor.stop()
+                self._record_status(slot_id, supervisor.tick())
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                alive = [slot_id for slot_id, sup in stopping if sup.tick().phase in ALIVE_PHASES]
+                for slot_id, supervisor in stopping:
+                    self._record_status(slot_id, supervisor.status())
+            if not alive or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if alive:
+            log.warning("workers still stopping when the agent exits", extra={"slots": alive})
+        return [slot_id for slot_id, _ in stopping]
+
+    def running_worker_slots(self) -> list[str]:
+        """The slots whose worker is alive now (starting, running or stopping)."""
+        with self._lock:
+            return [slot_id for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+
+    def longest_stop_grace(self) -> float:
+        """The longest stop grace period of the workers that run now (how long ``stop_workers`` may take)."""
+        with self._lock:
+            alive = [sup for _, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            graces = [sup.spec.stop_grace_seconds for sup in alive]
+        return max(graces, default=0.0)
+
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
         """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
         supervisor.stop()
@@ -590,7 +634,7 @@ class SlotManager:
 
     # ------------------------------------------------------------------ reconcile
 
-    def reconcile(self) -> ReconcileReport:
+    def reconcile(self, *, restart_workers: frozenset[str] = frozenset()) -> ReconcileReport:
         """Bring database and kernel into agreement after a start (see the module docstring)."""
         began = time.monotonic()
         report = ReconcileReport()
@@ -621,7 +665,7 @@ class SlotManager:
             for slot in self._store.list_slots():
                 self._reconcile_slot(slot, report)
             for slot in self._store.list_slots():
-                self._reconcile_worker(slot, report)
+                self._reconcile_worker(slot, report, restart=slot.id in restart_workers)
             report.seconds = time.monotonic() - began
             self.report = report
             self._store.add_event("reconcile", report.summary())
@@ -699,7 +743,7 @@ class SlotManager:
             return False
         return slot.applied is None or not self._isolation.exists(slot.applied)
 
-    def _reconcile_worker(self, slot: Slot, report: ReconcileReport) -> None:
+    def _reconcile_worker(self, slot: Slot, report: ReconcileReport, *, restart: bool = False) -> None:
         worker = self._store.get_worker(slot.id)
         if worker is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
             return
@@ -716,6 +760,11 @@ class SlotManager:
         if found is not Readoption.NONE and worker.desired == "stopped":
             supervisor.stop()
         elif found is Readoption.NONE and worker.desired == "running":
+            supervisor.start()
+            report.workers_started.append(slot.name)
+        elif found is Readoption.EXITED and worker.desired == "running" and restart:
+            # Stopped by the last agent because it was stopped, not by its own doing or the user's:
+            # it comes back with the agent, whatever its restart policy says of an exit.
             supervisor.start()
             report.workers_started.append(slot.name)
         self._loop.add(slot.id, supervisor)
