@@ -27,6 +27,7 @@ from typing import Any
 
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
+from nodeagent.isolation.colocation import ColocationConfig
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
 
@@ -34,6 +35,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 DEFAULT_LISTEN = "127.0.0.1:7070"
 ROOT_STATE_DIR = Path("/var/lib/nodeagent")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BEST_EFFORT_ADMISSION = ("allocatable", "batch")
 
 
 # =========================================================================== sections
@@ -118,6 +120,30 @@ class WorkersConfig:
 
 
 @dataclass(frozen=True)
+class QosConfig:
+    """The QoS loop (agent/qos.py, docs/colocation.md): best-effort work in what online slots leave."""
+
+    enabled: bool = True
+    period_seconds: float = 1.0
+    cpu_margin: float = 0.1  #: share of the shared pool kept free above online use
+    cpu_release_periods: int = 3  #: online use is the peak of this many periods: cut now, give back later
+    cpu_pressure_threshold: float = 0.1  #: online CPU stall share (PSI, cgroup v2) that suppresses fully
+    io_pressure_threshold: float = 0.2
+    suppressed_cpus: float = 0.01  #: the least CPU quota best-effort keeps
+    smt_busy_threshold: float = 0.1  #: a CPU this busy with online work keeps best-effort off its siblings
+    memory_throttle_percent: float = 80.0
+    memory_evict_percent: float = 90.0
+    memory_evict_target_percent: float = 85.0
+    memory_pressure_threshold: float = 0.1  #: online memory stall share that evicts
+    restore_after_seconds: float = 60.0
+    evict_grace_seconds: float = 5.0  #: after SIGTERM, how long an evicted worker has before it is killed
+    batch_window_seconds: float = 300.0
+    best_effort_admission: str = "allocatable"  #: or "batch": bound best-effort allocations by batch
+    best_effort_l3_share: float = 0.1  #: best-effort's share of the L3 cache where resctrl exists
+    best_effort_mb_percent: int = 20  #: best-effort's memory bandwidth percentage where MBA exists
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
 
@@ -131,6 +157,7 @@ class AgentConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    qos: QosConfig = field(default_factory=QosConfig)
     log: LogConfig = field(default_factory=LogConfig)
     #: The file this came from (None: built-in defaults).
     source: str | None = None
@@ -146,6 +173,25 @@ class AgentConfig:
     @property
     def database_path(self) -> Path:
         return self.state_dir / "state.db"
+
+    def colocation(self) -> ColocationConfig:
+        """The QoS loop's thresholds; ConfigError naming the [qos] key that is out of range."""
+        q = self.qos
+        return ColocationConfig(
+            period_seconds=q.period_seconds,
+            cpu_margin=q.cpu_margin,
+            cpu_release_periods=q.cpu_release_periods,
+            cpu_pressure_threshold=q.cpu_pressure_threshold,
+            io_pressure_threshold=q.io_pressure_threshold,
+            min_cpus=q.suppressed_cpus,
+            smt_busy_threshold=q.smt_busy_threshold,
+            memory_throttle_percent=q.memory_throttle_percent,
+            memory_evict_percent=q.memory_evict_percent,
+            memory_evict_target_percent=q.memory_evict_target_percent,
+            memory_pressure_threshold=q.memory_pressure_threshold,
+            restore_after_seconds=q.restore_after_seconds,
+            batch_window_seconds=q.batch_window_seconds,
+        )
 
     def placement_options(self) -> PlacementOptions:
         p = self.placement
@@ -172,6 +218,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "controller": ControllerConfig,
     "gpu": GpuConfig,
     "workers": WorkersConfig,
+    "qos": QosConfig,
     "log": LogConfig,
 }
 
@@ -293,6 +340,29 @@ def _validate(config: AgentConfig) -> None:
     except (InvalidRequest, ValueError) as err:
         raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
     _check_network(config)
+    _check_qos(config)
+
+
+def _check_qos(config: AgentConfig) -> None:
+    q, src = config.qos, config.source
+    try:
+        config.colocation()
+    except ConfigError as err:
+        # The thresholds' own messages name the key (qos.<name>); say which file too.
+        raise ConfigError(f"{src}: {err}" if src else str(err)) from None
+    checks: list[tuple[str, bool, str]] = [
+        ("qos.evict_grace_seconds", 0 <= q.evict_grace_seconds <= 300, "seconds in [0, 300]"),
+        (
+            "qos.best_effort_admission",
+            q.best_effort_admission in BEST_EFFORT_ADMISSION,
+            " or ".join(repr(a) for a in BEST_EFFORT_ADMISSION),
+        ),
+        ("qos.best_effort_l3_share", 0 < q.best_effort_l3_share < 1, "a fraction of the cache in (0, 1)"),
+        ("qos.best_effort_mb_percent", 1 <= q.best_effort_mb_percent <= 100, "a percentage in [1, 100]"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{_where(src, key)} is {getattr(q, key.split('.')[1])!r}; expected {expected}")
 
 
 def _check_placement(config: AgentConfig) -> None:
@@ -412,6 +482,7 @@ __all__ = [
     "IsolationConfig",
     "LogConfig",
     "PlacementConfig",
+    "QosConfig",
     "StateConfig",
     "WorkersConfig",
     "apply_overrides",

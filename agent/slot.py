@@ -13,6 +13,7 @@ or ``failed`` with a reason (then it holds no resources and no kernel objects).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +54,11 @@ class Slot:
     updated_at: float = 0.0
     #: The worker's live status; set on slots read through the service, None without a worker.
     worker: WorkerStatus | None = None
+    #: Recent actions of the QoS loop on this slot (newest last), as published; set when read
+    #: through the service.
+    qos_actions: tuple[Mapping[str, Any], ...] = ()
+    #: Whether the QoS loop has its worker stopped (evicted) until memory is calm again.
+    qos_evicted: bool = False
 
     @property
     def qos(self) -> QoS:
@@ -86,6 +92,8 @@ class Slot:
             "reason": self.reason,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
+            "qos_actions": [dict(action) for action in self.qos_actions],
+            "qos_evicted": self.qos_evicted,
         }
 
 

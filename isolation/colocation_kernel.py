@@ -285,6 +285,10 @@ class Actuator:
         else:
             raise AssertionError(f"the agent carries out {kind}, not the actuator")
 
+    def kill(self, cgroup: str) -> None:
+        """Kill every process of a slot (an evicted worker whose grace is over)."""
+        open_manager(self.host, cgroup).kill(timeout=5.0)
+
     def release(self) -> None:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
