@@ -180,7 +180,9 @@ def test_profile_alone_means_one_instance() -> None:
         ),
         pytest.param([], "request: must be an object", id="not-an-object"),
         pytest.param(
-            {"name": "a", "qos": "best-effort", "priority": -1}, "priority: must be at least 0", id="priority-low"
+            {"name": "a", "qos": "best-effort", "priority": -1},
+            "priority: must be at least 0",
+            id="priority-low",
         ),
         pytest.param(
             {"name": "a", "qos": "best-effort", "priority": 1001},
@@ -228,7 +230,8 @@ def test_format_quantity_short(nbytes: int, shown: str) -> None:
 
 def test_priority_orders_best_effort_and_defaults_to_zero() -> None:
     assert parse_slot_request({"name": "a", "qos": "best-effort", "priority": 700}).priority == 700
-    default = parse_slot_request({"name": "a", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "1Mi"}})
+    body = {"name": "a", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "1Mi"}}
+    default = parse_slot_request(body)
     assert default.priority == 0
     # A stored request from before the field existed reads back the same.
     assert request_to_dict(default)["priority"] == 0
