@@ -122,22 +122,17 @@ def cpu_scenario(isolator: SlotIsolator, start_in: StartIn, tmp_path: Path) -> N
     quiet = runner.state.cpu_limit
     assert quiet is not None
     online = start_in(web, BUSY)
-    runner.steps(2)
+    # On a shared host the online loop may wait for CPU a while: from the first period the loop
+    # measures it, best-effort must be cut within two periods.
+    seen = _until(runner, lambda d: d.measured is not None and d.measured.online_cpu >= 0.2, 40)
+    assert seen.measured is not None
+    online_cpu = seen.measured.online_cpu
+    if not any(a.kind == "cpu_suppress" for a in seen.actions):
+        runner.step()
     busy = runner.state.cpu_limit
-    measured = runner.decisions[-1].measured
     assert busy is not None
-    assert measured is not None
-    # The online loop got CPU (on a loaded host not a whole one), and within two periods
-    # best-effort was cut to at most the pool less the margin less that.
-    assert measured.online_cpu >= 0.2, measured
-    assert busy.quota <= len(pool) * (1 - config.cpu_margin) - measured.online_cpu + 0.1, (
-        quiet,
-        busy,
-        measured,
-    )
-    assert busy.quota < quiet.quota or quiet.quota <= config.min_cpus
-    kinds = [a.kind for d in runner.decisions[-2:] for a in d.actions]
-    assert "cpu_suppress" in kinds
+    assert busy.quota < quiet.quota, (quiet, busy)
+    assert busy.quota <= len(pool) * (1 - config.cpu_margin) - online_cpu + 0.1, (quiet, busy, online_cpu)
     # The kernel holds what was decided: the class quota, and the cpuset of the class and the slot.
     class_parent = hierarchy.class_parent("best-effort")
     assert best_effort_quota_us(host, class_parent) == quota_us(busy.quota, 100_000)
@@ -149,13 +144,10 @@ def cpu_scenario(isolator: SlotIsolator, start_in: StartIn, tmp_path: Path) -> N
     time.sleep(1.0)
     assert cpu_seconds(host, hog.cgroup) - began <= busy.quota * 1.0 + 0.15
     online.stop()
-    runner.steps(config.cpu_release_periods + 3)
-    after = runner.state.cpu_limit
+    released = _until(runner, lambda d: any(a.kind == "cpu_release" for a in d.actions), 40)
+    after = released.state.cpu_limit
     assert after is not None
     assert after.quota > busy.quota, (busy, after)
-    assert "cpu_release" in [
-        a.kind for d in runner.decisions[-(config.cpu_release_periods + 3) :] for a in d.actions
-    ]
 
 
 HOG = """
