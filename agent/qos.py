@@ -162,6 +162,7 @@ class QosLoop:
             self.periods += 1
 
     def _period(self) -> Decision:
+        refreshed = self._dirty or self._clock() - self._refreshed_at >= REFRESH_SECONDS
         infos = self._slot_infos()
         now = self._clock()
         sample = self.sampler.sample(infos, now)
@@ -170,10 +171,14 @@ class QosLoop:
         best_effort = [i.slot_id for i in infos if i.qos == "best-effort"]
         for action in decision.actions:
             self._carry_out(action, best_effort)
-        try:
-            self.actuator.tend(best_effort)
-        except NodeAgentError as err:
-            self._error(f"best-effort processes not tended: {err}")
+        if refreshed:
+            # Children inherit oom_score_adj and the resctrl group from the process they fork
+            # from, so a worker's processes need tending when it starts (a change notice), and
+            # the periodic refresh catches what slipped between.
+            try:
+                self.actuator.tend(best_effort)
+            except NodeAgentError as err:
+                self._error(f"best-effort processes not tended: {err}")
         self._escalate(now)
         if decision.measured is not None:
             self._measured = decision.measured

@@ -328,21 +328,24 @@ def test_slots_without_a_cgroup_are_not_sampled() -> None:
 
 
 def test_slot_list_is_read_again_on_change_notices_only() -> None:
-    loop, manager, sampler, _, clock = make_loop([slot("e1", "best-effort", priority=5)], Series())
+    loop, manager, sampler, actuator, clock = make_loop([slot("e1", "best-effort", priority=5)], Series())
     loop.start()  # subscribes to the manager's change notices (and runs a first period)
     loop.stop()
     assert len(manager.subscribers) == 1
     calls: list[int] = []
     original = manager.list_slots
     manager.list_slots = lambda: calls.append(1) or original()  # type: ignore[method-assign]
+    tended = len(actuator.tended)
     step(loop, sampler, clock)
     step(loop, sampler, clock)
     assert calls == []
+    assert len(actuator.tended) == tended  # processes are tended when slots change, not every period
     assert sampler.seen[-1][0].priority == 5
     manager.subscribers[0]()
     step(loop, sampler, clock)
     step(loop, sampler, clock)
     assert calls == [1]
+    assert len(actuator.tended) == tended + 1
     clock.now += 10.0  # and at least every REFRESH_SECONDS
     step(loop, sampler, clock)
     assert calls == [1, 1]

@@ -189,9 +189,10 @@ class SimulatedMachine:
         lines = [f"cpu{cpu} {ticks} 0 0 0 0 0 0 0 0 0" for cpu in self.cpus]
         (self.proc / "stat").write_text("\n".join(lines) + "\n")
         used = self.base + self.extra + sum(s.memory_current or 0 for s in stats)
-        (self.proc / "meminfo").write_text(
+        (self.proc / ".meminfo").write_text(
             f"MemTotal: {self.total // 1024} kB\nMemAvailable: {max(0, self.total - used) // 1024} kB\n"
         )
+        (self.proc / ".meminfo").replace(self.proc / "meminfo")  # whole or not at all
 
 
 def memory_scenario(isolator: SlotIsolator, start_in: StartIn, tmp_path: Path) -> None:
