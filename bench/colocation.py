@@ -15,8 +15,9 @@ buffer). Scenarios, interleaved in rounds because the machine is shared and drif
 
 Figures per scenario: client p50/p99/p99.9 in ms (median over rounds), p99 as a multiple of the
 same round's ``alone`` (median [min-max]); best-effort CPU time as a share of what the online work
-left idle (pool CPU-seconds less the online slot's and the client's), and the share the host's
-other processes took (the loop counts them as online load).
+left idle (pool CPU-seconds less the online slot's and the client's) and of what was truly idle
+(less the host's other processes too, which the loop counts as online load); and the CPUs those
+other processes took.
 
 ``--squeeze`` adds a memory squeeze: the bench parent cgroup gets a memory limit of ``--node-mib``
 (a small node inside this host: the kernel enforces it, and the loop sees it as the node's memory
@@ -29,6 +30,7 @@ OOM kills, and online p99.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.client
 import json
 import os
@@ -48,7 +50,7 @@ from pathlib import Path
 
 from nodeagent.cgroups import Resources, detect, open_manager
 from nodeagent.errors import NodeAgentError
-from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, decide
+from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, Sample, decide
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
@@ -182,6 +184,7 @@ class QosThread:
         self.busy = 0.0
         self.periods = 0
         self.errors: list[str] = []
+        self.samples: list[Sample] = []
         self.before_sample: Callable[[], None] = lambda: None
         self.evict: Callable[[str], None] = lambda slot_id: None
         self._stop = threading.Event()
@@ -207,7 +210,9 @@ class QosThread:
 
     def _period(self) -> None:
         self.before_sample()
-        decision = decide(self.config, self.state, self.sampler.sample(self.slots, time.monotonic()))
+        sample = self.sampler.sample(self.slots, time.monotonic())
+        self.samples.append(sample)
+        decision = decide(self.config, self.state, sample)
         self.state = decision.state
         for action in decision.actions:
             self.actions.append(action)
@@ -269,6 +274,11 @@ class Result:
         return self.pool_cpus * self.seconds - self.online_cpu - self.client_cpu
 
     @property
+    def idle(self) -> float:
+        """CPU-seconds nobody but best-effort used: what the host's other processes left too."""
+        return self.idle_left - self.others
+
+    @property
     def others(self) -> float:
         """CPU-seconds the host's other processes took in the pool."""
         return max(0.0, self.pool_busy - self.online_cpu - self.client_cpu - self.best_effort_cpu)
@@ -283,7 +293,7 @@ class Bench:
     port: int
     pool: frozenset[int]
 
-    def scenario(self, name: str) -> Result:
+    def scenario(self, name: str, record: Path | None = None) -> Result:
         hogs: list[subprocess.Popen[bytes]] = []
         loop: QosThread | None = None
         try:
@@ -300,6 +310,8 @@ class Bench:
         finally:
             if loop is not None:
                 loop.stop()
+                if record is not None:
+                    record.write_text(json.dumps([sample_to_json(x) for x in loop.samples]) + "\n")
             for hog in hogs:
                 hog.kill()  # our own children, by pid
                 hog.wait()
@@ -337,6 +349,14 @@ class Bench:
         slots = [SlotInfo("online", "burstable"), SlotInfo("batch", "best-effort", running=True)]
         config = ColocationConfig(period_seconds=self.args.period)
         return QosThread(sampler, Actuator(isolator), config, slots)
+
+
+def sample_to_json(sample: Sample) -> dict[str, object]:
+    """A sample as JSON (for recorded series the decision's tests replay)."""
+    body = dataclasses.asdict(sample)
+    body["pool"] = sorted(sample.pool)
+    body["exclusive"] = sorted(sample.exclusive)
+    return body
 
 
 def core_map() -> dict[int, int]:
@@ -451,6 +471,9 @@ def main() -> None:
     parser.add_argument("--node-mib", type=int, default=1024, help="the squeezed node's memory")
     parser.add_argument("--grow-mib", type=int, default=16, help="the hog's growth per 0.1 s")
     parser.add_argument("--squeeze-seconds", type=float, default=45.0)
+    parser.add_argument(
+        "--record", type=Path, default=None, help="write the loop's samples of the first round here (JSON)"
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root: the bench creates cgroups")
@@ -490,7 +513,8 @@ def main() -> None:
         open_loop(port, args.rate, 2.0)  # warm the server up
         for round_no in range(args.rounds):
             for name in SCENARIOS:
-                results[name].append(bench.scenario(name))
+                record = args.record if round_no == 0 and name == "qos loop" else None
+                results[name].append(bench.scenario(name, record))
             print(
                 f"round {round_no + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.2f})",
                 file=sys.stderr,
@@ -521,7 +545,7 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
     alone = [percentile(r.latencies, 0.99) for r in results.get("alone", [])]
     print(
         f"\n{'scenario':<10}{'p50':>7}{'p99':>8}{'p99.9':>8}  p99/alone median [min-max]"
-        f"   best-effort / idle left   others' CPU   loop CPU/period"
+        f"   best-effort / idle left [range] / truly idle   others' CPU   loop CPU/period"
     )
     for name, rounds in results.items():
         p50, p99, p999 = (
@@ -529,11 +553,11 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
         )
         ratios = [percentile(r.latencies, 0.99) / a for r, a in zip(rounds, alone, strict=True)]
         shares = [r.best_effort_cpu / r.idle_left for r in rounds if r.idle_left > 0]
-        share = (
-            f"{statistics.median(shares):.0%} [{min(shares):.0%}-{max(shares):.0%}]"
-            if name != "alone"
-            else "-"
-        )
+        truly = [r.best_effort_cpu / r.idle for r in rounds if r.idle > 0.05 * r.seconds]
+        share = "-"
+        if name != "alone":
+            share = f"{statistics.median(shares):.0%} [{min(shares):.0%}-{max(shares):.0%}]"
+            share += f" / {statistics.median(truly):.0%}" if truly else " / -"
         others = statistics.median(r.others / r.seconds for r in rounds)
         periods = sum(r.loop_periods for r in rounds)
         loop_cpu = f"{sum(r.loop_busy for r in rounds) / periods * 1000:.2f} ms" if periods else "-"
