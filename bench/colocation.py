@@ -13,6 +13,8 @@ buffer). Scenarios, interleaved in rounds because the machine is shared and drif
 - ``weights``: best-effort beside it with today's protection only (cpu.idle, minimal weight);
 - ``qos loop``: the same, with the QoS loop (sampler -> decide -> actuator, every ``--period``).
 
+Each round starts at another scenario (alone, weights, loop; then weights, loop, alone; ...).
+
 Figures per scenario: client p50/p99/p99.9 in ms (median over rounds), p99 as a multiple of the
 same round's ``alone`` (median [min-max]); best-effort CPU time as a share of what the online work
 left idle (pool CPU-seconds less the online slot's and the client's) and of what was truly idle
@@ -512,7 +514,9 @@ def main() -> None:
         )
         open_loop(port, args.rate, 2.0)  # warm the server up
         for round_no in range(args.rounds):
-            for name in SCENARIOS:
+            # Each round starts at another scenario, so none always follows the same one.
+            order = SCENARIOS[round_no % len(SCENARIOS) :] + SCENARIOS[: round_no % len(SCENARIOS)]
+            for name in order:
                 record = args.record if round_no == 0 and name == "qos loop" else None
                 results[name].append(bench.scenario(name, record))
             print(

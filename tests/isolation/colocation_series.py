@@ -7,8 +7,11 @@ the way the sampler would have read it. :func:`run` feeds a series through :func
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 from nodeagent.isolation.colocation import (
     BestEffortSlot,
@@ -129,3 +132,44 @@ def load(online: float, best_effort: float, *, pool: Iterable[int] = (0, 1)) -> 
             busy[cpu] += take
             rest -= take
     return Period(busy=busy, best_effort_cpu=best_effort)
+
+
+def sample_from_json(body: Mapping[str, Any]) -> Sample:
+    """A sample as bench/colocation.py --record writes it (dataclasses as objects, int keys as text)."""
+
+    def stall(value: Mapping[str, Any] | None) -> Stall | None:
+        return None if value is None else Stall(**value)
+
+    def usage(value: Mapping[str, Any]) -> GroupUsage:
+        return GroupUsage(value["cpu_ns"], value["memory_bytes"], stall(value["stall"]))
+
+    return Sample(
+        time=body["time"],
+        pool=frozenset(body["pool"]),
+        core_of={int(k): v for k, v in body["core_of"].items()},
+        exclusive=frozenset(body["exclusive"]),
+        cpu_busy_ns={int(k): v for k, v in body["cpu_busy_ns"].items()},
+        memory_total=body["memory_total"],
+        memory_available=body["memory_available"],
+        node_stall=Stall(**body["node_stall"]),
+        online={name: usage(value) for name, value in body["online"].items()},
+        best_effort_cpu_ns=body["best_effort_cpu_ns"],
+        best_effort=tuple(
+            BestEffortSlot(
+                s["slot_id"],
+                s["priority"],
+                s["started_at"],
+                usage(s["usage"]),
+                s["memory_high"],
+                s["running"],
+                s["evicted"],
+            )
+            for s in body["best_effort"]
+        ),
+    )
+
+
+def recorded(name: str) -> list[Sample]:
+    """A series recorded on a real host (tests/isolation/data/<name>.json)."""
+    path = Path(__file__).parent / "data" / f"{name}.json"
+    return [sample_from_json(body) for body in json.loads(path.read_text())]

@@ -17,7 +17,7 @@ from nodeagent.isolation.colocation import (
     choose_cpus,
     decide,
 )
-from tests.isolation.colocation_series import GiB, MiB, Period, Series, load, run
+from tests.isolation.colocation_series import GiB, MiB, Period, Series, load, recorded, run
 
 F = frozenset
 CONFIG = ColocationConfig()
@@ -432,3 +432,42 @@ def test_actions_by_slot_puts_class_actions_under_every_best_effort_slot() -> No
 def test_config_errors_name_the_key(kwargs: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         ColocationConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- a recorded series
+
+
+def test_recorded_series_from_a_loaded_host() -> None:
+    """bench/colocation.py --record on the 2-vCPU development VM, first round of the loop: an online
+    OIP worker under 100 req/s starting after the loop, best-effort CPU and bandwidth hogs, and the
+    host's other tenants taking what best-effort gives up (they count as online work)."""
+    samples = recorded("colocation-recorded")
+    state = LoopState()
+    decisions = []
+    for sample in samples:
+        decision = decide(CONFIG, state, sample)
+        state = decision.state
+        decisions.append(decision)
+    measured = [d.measured for d in decisions]
+    assert measured[0] is None
+    assert all(m is not None for m in measured[1:])
+    # The first rated period already cuts best-effort to what online work leaves less the margin.
+    first = decisions[1]
+    assert first.measured is not None
+    assert [a.kind for a in first.actions] == ["cpu_suppress"]
+    assert first.actions[0].quota_cpus == pytest.approx(2 * 0.9 - first.measured.online_cpu, abs=0.011)
+    # The kernel held best-effort to each period's quota (recorded use in the next period), and the
+    # quota never let it into the margin above online use.
+    limits = [d.state.cpu_limit for d in decisions]
+    for limit, after in zip(limits[1:], measured[2:], strict=False):
+        assert limit is not None
+        assert after is not None
+        assert after.best_effort_cpu <= limit.quota + 0.05
+    for decision in decisions[1:]:
+        assert decision.measured is not None
+        assert decision.state.cpu_limit is not None
+        assert decision.state.cpu_limit.quota <= max(
+            CONFIG.min_cpus, 2 * 0.9 - decision.measured.online_cpu + 0.01
+        )
+    # Steady load, no flapping: a handful of CPU actions over the whole series.
+    assert sum(len(d.actions) for d in decisions) <= 8
