@@ -349,7 +349,7 @@ class Bench:
             proc_root=proc_root,
         )
         slots = [SlotInfo("online", "burstable"), SlotInfo("batch", "best-effort", running=True)]
-        config = ColocationConfig(period_seconds=self.args.period)
+        config = ColocationConfig(period_seconds=self.args.period, cpu_margin=self.args.margin)
         return QosThread(sampler, Actuator(isolator), config, slots)
 
 
@@ -469,6 +469,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=100.0, help="inferences per second (open loop)")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds before measuring")
     parser.add_argument("--period", type=float, default=1.0, help="the QoS loop's period")
+    parser.add_argument("--margin", type=float, default=0.1, help="the loop's cpu_margin")
     parser.add_argument("--squeeze", action="store_true", help="also run the memory squeeze")
     parser.add_argument("--node-mib", type=int, default=1024, help="the squeezed node's memory")
     parser.add_argument("--grow-mib", type=int, default=16, help="the hog's growth per 0.1 s")
