@@ -150,6 +150,15 @@ class SlotModel(BaseModel):
     reason: str | None = Field(description="Why it failed, when state is failed.")
     created_at: float
     updated_at: float
+    foreign_cpu: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "Guaranteed slots: CPU time spent on the slot's CPUs by anything that is not the slot "
+            "(other tasks, kernel threads, interrupts), since `since` (Unix time): `seconds`, "
+            "`fraction` of the slot's CPU capacity over that time, `irq_seconds` of it handling "
+            "interrupts. Null where it cannot be measured."
+        ),
+    )
     qos_actions: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Recent actions of the QoS loop on this slot, newest last (at most 20): action "
@@ -179,6 +188,15 @@ class NodeModel(BaseModel):
     started_at: float
     cgroup_mode: str
     degraded: list[str] = Field(description="What this agent cannot isolate on this host, and why.")
+    host_partitioning: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "Whether the rest of the host is kept off exclusive CPUs (`mode`: auto or off), which "
+            "`parts` (processes, kernel-threads, workqueue, irqs), whether it is `active`, and the "
+            "`last` pass: exclusive and host CPUs, items `moved` and `confined` by kind, what is "
+            "`immovable` and why, `problems`, `warnings`; `error` if the last pass failed."
+        ),
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -28,6 +28,7 @@ from typing import Any
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.colocation import ColocationConfig
+from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
 
@@ -89,6 +90,16 @@ class IsolationConfig:
     #: Where that firewall cannot run (no nftables), give slots a network anyway, unfiltered.
     allow_unfiltered_network: bool = False
     pids_max: int = 4096  #: per-slot pids limit
+    #: keep every task the agent does not own, kernel threads and interrupts off exclusive CPUs:
+    #: "auto" (when the agent runs as root and isolates slots) or "off"
+    host_partitioning: str = "auto"
+    #: what host partitioning moves (docs/host-partitioning.md)
+    host_partitioning_parts: tuple[str, ...] = ("processes", "kernel-threads", "workqueue", "irqs")
+    #: how often tasks that widened their affinity (and interrupts moved back) are confined again
+    host_sweep_seconds: float = 10.0
+
+
+HOST_PARTITIONING_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -310,6 +321,16 @@ def _validate(config: AgentConfig) -> None:
         ("controller.timeout_seconds", config.controller.timeout_seconds > 0, "a number above 0"),
         ("workers.tick_seconds", 0 < config.workers.tick_seconds <= 60, "a number of seconds in (0, 60]"),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
+        (
+            "isolation.host_partitioning",
+            config.isolation.host_partitioning in HOST_PARTITIONING_MODES,
+            "one of " + ", ".join(HOST_PARTITIONING_MODES),
+        ),
+        (
+            "isolation.host_sweep_seconds",
+            0.1 <= config.isolation.host_sweep_seconds <= 3600,
+            "a number of seconds in [0.1, 3600]",
+        ),
         ("log.level", config.log.level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
         (
             "controller.url",
@@ -340,6 +361,10 @@ def _validate(config: AgentConfig) -> None:
     except (InvalidRequest, ValueError) as err:
         raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
     _check_network(config)
+    try:
+        validate_parts(config.isolation.host_partitioning_parts)
+    except ConfigError as err:
+        raise ConfigError(f"{_where(src, 'isolation.host_partitioning_parts')}: {err}") from None
     _check_qos(config)
 
 

@@ -37,7 +37,9 @@ from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
+from nodeagent.isolation.host import HostReport, validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
+from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
 from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
@@ -221,6 +223,39 @@ def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
     return SlotStats(manager)
 
 
+def build_host(
+    config: AgentConfig, host: CgroupHost, isolation: IsolationBackend
+) -> KernelHostPartitioning | None:
+    """Host partitioning and foreign-CPU measurement, for an agent that isolates slots (None otherwise).
+
+    ``auto`` partitions the host whenever the agent isolates slots (it runs as root); ``off`` still
+    measures foreign CPU time, which is how an operator sees what partitioning would remove."""
+    if not isinstance(isolation, KernelIsolation):
+        return None
+    iso = config.isolation
+    return build_host_partitioning(
+        host,
+        enabled=iso.host_partitioning == "auto",
+        state_dir=config.state_dir,
+        cgroup_parent=iso.cgroup_parent,
+        parts=validate_parts(iso.host_partitioning_parts),
+        sweep_seconds=iso.host_sweep_seconds,
+    )
+
+
+def restore_host(config: AgentConfig) -> HostReport:
+    """``nodeagent serve --restore-host``: put back everything the host record names, and exit.
+
+    Takes the state directory first, so it refuses while an agent runs there (that agent would
+    confine the host again on its next sweep): stop the agent, then restore."""
+    ensure_state_dir(config.state_dir)
+    lock_state_dir(config.state_dir)
+    partitioner = host_partitioner(
+        detect(), state_dir=config.state_dir, cgroup_parent=config.isolation.cgroup_parent
+    )
+    return partitioner.restore()
+
+
 def build_manager(
     config: AgentConfig, topology: Topology | None = None, *, recovery: RecoveryMode = RecoveryMode.REFUSE
 ) -> SlotManager:
@@ -242,6 +277,7 @@ def build_manager(
         allow_unisolated=config.isolation.allow_unisolated,
         tick_seconds=config.workers.tick_seconds,
         recovery=recovery,
+        host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
     )
 
 
@@ -437,12 +473,14 @@ __all__ = [
     "JsonFormatter",
     "SlotStats",
     "StateDirectoryBusy",
+    "build_host",
     "build_isolation",
     "build_manager",
     "controller_token",
     "ensure_state_dir",
     "ensure_token",
     "lock_state_dir",
+    "restore_host",
     "serve",
     "setup_logging",
 ]

@@ -13,16 +13,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from nodeagent.cgroups.detect import CgroupHost, detect
 from nodeagent.devices.gpu import discover_gpus
 from nodeagent.devices.pci import discover_fpgas, list_pci_devices
 from nodeagent.devices.topology import Fpga, Gpu
 from nodeagent.errors import NodeAgentError
+from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
+from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
 
 Status = Literal["OK", "WARN", "FAIL"]
@@ -390,6 +392,162 @@ def check_numa_balancing(roots: HostRoots) -> Check:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# what stays on exclusive CPUs whatever the agent does
+
+
+def check_unmovable(roots: HostRoots) -> Check:
+    """What host partitioning cannot move off an exclusive CPU: per-CPU kernel threads, managed
+    interrupts, the timer tick; and whether irqbalance would undo the interrupts it moves."""
+    name = "exclusive CPU noise"
+    parts = []
+    per_cpu = _per_cpu_kthreads(roots.proc)
+    if per_cpu:
+        kinds = ", ".join(sorted(per_cpu)[:6]) + (", ..." if len(per_cpu) > 6 else "")
+        parts.append(f"per-CPU kernel threads cannot move ({kinds})")
+    managed = _managed_irqs(roots)
+    if managed is None:
+        parts.append("managed interrupts unknown (mount debugfs to list them)")
+    elif managed:
+        parts.append("managed interrupts stay where the kernel put them: " + ", ".join(managed[:8]))
+    nohz = (_read(roots.sys / "devices/system/cpu/nohz_full") or "").strip()
+    hint = ""
+    if nohz and nohz != "(null)":
+        parts.append(f"nohz_full CPUs {nohz}")
+    else:
+        hint = (
+            "for the least noise, boot with nohz_full=CPUS rcu_nocbs=CPUS (the CPUs exclusive slots get) "
+            "to take the timer tick and RCU callbacks off them"
+        )
+    irqbalance = IrqBalance(roots.proc, roots.fs / "run")
+    pid = irqbalance.find()
+    if pid is not None:
+        socket_file = roots.fs / "run" / "irqbalance" / f"irqbalance{pid}.sock"
+        if not socket_file.exists():
+            return Check(
+                name,
+                "WARN",
+                f"irqbalance (pid {pid}) runs without its control socket: it will move interrupts back onto "
+                "exclusive CPUs between the agent's sweeps; " + "; ".join(parts),
+                "set IRQBALANCE_BANNED_CPULIST to the CPUs of exclusive slots, or stop irqbalance",
+            )
+        parts.append(f"irqbalance (pid {pid}) is told to ban exclusive CPUs")
+    return Check(name, "OK", "; ".join(parts) or "nothing found that cannot move", hint)
+
+
+def _per_cpu_kthreads(proc: Path) -> set[str]:
+    found: set[str] = set()
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return found
+    for pid in entries:
+        text = _read(proc / pid / "stat")
+        if text is None:
+            continue
+        comm, fields = parse_stat(text)
+        flags = int(fields[6]) if len(fields) > 6 else 0
+        if flags & PF_KTHREAD and flags & PF_NO_SETAFFINITY and not flags & PF_WQ_WORKER:
+            found.add(comm.split("/")[0])
+    return found
+
+
+def _managed_irqs(roots: HostRoots) -> list[str] | None:
+    """``IRQ (name)`` of every managed interrupt, from debugfs; None when debugfs is not mounted."""
+    debug = roots.sys / "kernel/debug/irq/irqs"
+    if not debug.is_dir():
+        return None
+    names = interrupt_names(_read(roots.proc / "interrupts") or "")
+    managed = []
+    for entry in sorted(debug.iterdir(), key=lambda p: (len(p.name), p.name)):
+        if "IRQD_AFFINITY_MANAGED" in (_read(entry) or ""):
+            label = names.get(entry.name)
+            managed.append(f"{entry.name} ({label})" if label else entry.name)
+    return managed
+
+
+# ---------------------------------------------------------------------------------------------
+# from the agent's API: what `nodeagent doctor` adds when an agent answers
+
+
+def check_host_partitioning(node: Mapping[str, Any]) -> Check:
+    """The agent's host partitioning (``GET /v1/node``'s ``host_partitioning``)."""
+    name = "host partitioning"
+    status = node.get("host_partitioning")
+    if not isinstance(status, Mapping):
+        return Check(name, "WARN", "this agent does not partition the host (it isolates no slot)")
+    if status.get("mode") == "off":
+        return Check(
+            name,
+            "WARN",
+            "off: every process, kernel thread and interrupt may still run on exclusive CPUs",
+            "set [isolation] host_partitioning = \"auto\"",
+        )
+    last = status.get("last") if isinstance(status.get("last"), Mapping) else None
+    error = status.get("error")
+    if last is None or not status.get("active"):
+        detail = "on; no exclusive CPU is held, the host runs everywhere"
+        if error:
+            return Check(name, "WARN", f"{detail}; last pass failed: {error}")
+        return Check(name, "OK", detail)
+    confined = ", ".join(f"{n} {kind}" for kind, n in sorted(dict(last.get("confined") or {}).items()) if n)
+    immovable = list(last.get("immovable") or [])
+    warnings = list(last.get("warnings") or []) + list(last.get("problems") or [])
+    detail = (
+        f"exclusive CPUs {last.get('exclusive_cpus')}, the rest of the host on {last.get('host_cpus')}; "
+        f"confined: {confined or 'nothing'}"
+    )
+    if immovable:
+        detail += f"; cannot move ({len(immovable)}): " + "; ".join(immovable[:5])
+    if error:
+        warnings.insert(0, f"last pass failed: {error}")
+    if warnings:
+        return Check(name, "WARN", detail + "; " + "; ".join(warnings))
+    return Check(name, "OK", detail)
+
+
+#: Above this share of a slot's CPU time taken by others, the doctor warns.
+FOREIGN_WARN_FRACTION = 0.01
+
+
+def check_foreign_cpu(slots: Sequence[Mapping[str, Any]]) -> Check:
+    """Foreign CPU time of the guaranteed slots (``GET /v1/slots``)."""
+    name = "foreign CPU time"
+    measured = [s for s in slots if isinstance(s.get("foreign_cpu"), Mapping)]
+    if not measured:
+        return Check(name, "OK", "no guaranteed slot to measure")
+    lines = []
+    noisy = False
+    for slot in sorted(measured, key=lambda s: -float(s["foreign_cpu"].get("fraction", 0))):
+        foreign = slot["foreign_cpu"]
+        fraction = float(foreign.get("fraction", 0.0))
+        noisy = noisy or fraction > FOREIGN_WARN_FRACTION
+        cpus = (slot.get("assignment") or {}).get("cpuset") or ""
+        lines.append(
+            f"{slot.get('name')} (CPUs {cpus}): {fraction:.2%} of its CPU time "
+            f"({float(foreign.get('seconds', 0)):.2f} s, "
+            f"of which interrupts {float(foreign.get('irq_seconds', 0)):.2f} s)"
+        )
+    detail = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    if noisy:
+        return Check(
+            name,
+            "WARN",
+            detail,
+            f"above {FOREIGN_WARN_FRACTION:.0%}: see `exclusive CPU noise` and `host partitioning` for "
+            "what runs there",
+        )
+    return Check(name, "OK", detail)
+
+
+def agent_checks(node: Mapping[str, Any], slots: Sequence[Mapping[str, Any]]) -> list[Check]:
+    """The checks `nodeagent doctor` adds from a running agent's API (node and slot listing)."""
+    return [
+        _guarded("host partitioning", lambda: check_host_partitioning(node)),
+        _guarded("foreign CPU time", lambda: check_foreign_cpu(slots)),
+    ]
+
+
 def _meminfo_kib(text: str | None, key: str) -> int | None:
     for line in (text or "").splitlines():
         fields = line.replace(":", " ").split()
@@ -471,6 +629,7 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
         ("cache/memory-bandwidth isolation", check_resctrl),
         ("PSI", check_psi),
         ("isolcpus", check_isolcpus),
+        ("exclusive CPU noise", check_unmovable),
         ("NUMA balancing", check_numa_balancing),
         ("NUMA memory", check_numa_memory),
         ("swap", check_swap),

@@ -51,7 +51,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,8 @@ from nodeagent.errors import (
     WorkerError,
 )
 from nodeagent.isolation.backend import IsolationBackend, OwnedSlot
+from nodeagent.isolation.foreign import ForeignCpu
+from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
     Allocated,
     Assignment,
@@ -152,8 +154,11 @@ class SlotManager:
         tick_seconds: float = 0.5,
         recovery: RecoveryMode = RecoveryMode.REFUSE,
         clock: Callable[[], float] = time.time,
+        host: HostPartitioning | None = None,
     ) -> None:
-        """``recovery``: what start-up does with busy slots the database does not name (agent.recovery)."""
+        """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
+        ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
+        neither)."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -169,7 +174,9 @@ class SlotManager:
         self._loop = SupervisionLoop(self._lock, self._record_status, self._notify, tick_seconds=tick_seconds)
         self._subscribers: list[Callable[[], None]] = []
         self._ready = False
-        self._ledger = Allocated()
+        self._host = host
+        self._host_ready = False  # set once reconcile knows which exclusive CPUs the slots hold
+        self._held = Allocated()
         self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
 
@@ -183,6 +190,23 @@ class SlotManager:
         admission; None detaches it."""
         self._qos = view
 
+    # ------------------------------------------------------------------ the ledger
+
+    @property
+    def _ledger(self) -> Allocated:
+        return self._held
+
+    @_ledger.setter
+    def _ledger(self, ledger: Allocated) -> None:
+        # The one place host partitioning is wired in: every change of what slots hold goes through
+        # here, and the host follows when the exclusive CPUs change. Allocate and resize change the
+        # ledger before isolation gives a slot its CPUs, release after the slot is gone, so the host
+        # is confined before a worker can run there and put back only once nothing runs there.
+        changed = ledger.cpus != self._held.cpus
+        self._held = ledger
+        if changed and self._host is not None and self._host_ready:
+            self._host.partition(ledger.cpus)
+
     # ------------------------------------------------------------------ life cycle
 
     def start(self, *, supervise: bool = True) -> ReconcileReport:
@@ -192,11 +216,18 @@ class SlotManager:
         report = self.reconcile()
         if supervise:
             self._loop.start()
+            if self._host is not None:
+                self._host.start()
         return report
 
     def close(self) -> None:
-        """Stop supervision (workers keep running: they outlive the agent) and close the store."""
+        """Stop supervision (workers keep running: they outlive the agent) and close the store.
+
+        The host stays confined while exclusive slots remain (their workers keep running, and the next
+        start takes over the record); with none left it is put back."""
         self._loop.close()
+        if self._host is not None:
+            self._host.close(exclusive_held=bool(self._ledger.cpus))
         self._runtime.close()
         self._store.close()
 
@@ -210,6 +241,7 @@ class SlotManager:
             started_at=self._started_at,
             cgroup_mode=self._isolation.cgroup_mode,
             degraded=self._isolation.degraded(),
+            host_partitioning=None if self._host is None else self._host.status(),
         )
 
     def topology(self) -> Topology:
@@ -291,7 +323,7 @@ class SlotManager:
                     held.quota_millis.get("best-effort", 0) / 1000,
                     held.memory_by_qos.get("best-effort", 0),
                 )
-            assignment = plan(self._topology, self._ledger, req, self._options)
+            assignment = plan(self._topology, self._ledger, req, self._options, irq_load=self._irq_load())
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
             with self._store.transaction(durable=False):
@@ -405,7 +437,7 @@ class SlotManager:
             new_request = apply_patch(slot.request, patch)
             old = assignment_of(slot)
             without = self._ledger.remove(old)
-            new = plan(self._topology, without, new_request, self._options)
+            new = plan(self._topology, without, new_request, self._options, irq_load=self._irq_load())
             resized = self._store.update_slot(dataclasses.replace(slot, request=new_request, assignment=new))
             self._ledger = without.add(new)
             try:
@@ -456,6 +488,8 @@ class SlotManager:
         self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
         self._runtime.discard(slot.id)
+        if self._host is not None:
+            self._host.slot_released(slot.id)
 
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
         """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
@@ -591,6 +625,7 @@ class SlotManager:
         report = ReconcileReport()
         with self._lock:
             self._ready = False
+            self._host_ready = False
             isolated = self._isolation.isolates
             if isolated:
                 self._account_for_busy_slots(report)
@@ -600,6 +635,11 @@ class SlotManager:
                 report.orphans_removed += self._isolation.remove_orphans(known)
                 self._isolation.prepare()
             self._ledger = self._build_ledger(report)
+            # After a crash the record on disk says what the last agent changed; the slots that
+            # exist now say what must stay confined: the host is made to match them, in one pass.
+            self._host_ready = True
+            if self._host is not None:
+                self._host.partition(self._ledger.cpus)
             for slot in self._store.list_slots():
                 if slot.state == SlotState.RELEASING:
                     self._finish_release(slot)
@@ -723,8 +763,16 @@ class SlotManager:
         pool = usable.pool_base & ~self._ledger.cpu_mask
         return frozenset(i for i in range(pool.bit_length()) if pool >> i & 1)
 
+    def _irq_load(self) -> Mapping[int, int] | None:
+        return None if self._host is None else self._host.irq_load()
+
+    def _foreign_cpu(self, slot: Slot) -> ForeignCpu | None:
+        if self._host is None or slot.applied is None or slot.qos != "guaranteed":
+            return None
+        return self._host.foreign_cpu(slot.id, slot.applied.cpus, slot.applied.cgroup)
+
     def _view(self, slot: Slot) -> Slot:
-        """The slot with its worker's status as of now."""
+        """The slot with its worker's status and its foreign CPU time as of now."""
         status = self._worker_status.get(slot.id)
         if status is not None:
             supervisor = self._loop.get(slot.id)
@@ -733,10 +781,13 @@ class SlotManager:
         else:
             stored = self._store.get_worker(slot.id)
             status = None if stored is None else stored.status
+        foreign = self._foreign_cpu(slot)
         if self._qos is None:
-            return dataclasses.replace(slot, worker=status)
+            return dataclasses.replace(slot, worker=status, foreign_cpu=foreign)
         actions, evicted = self._qos.slot_view(slot.id)
-        return dataclasses.replace(slot, worker=status, qos_actions=actions, qos_evicted=evicted)
+        return dataclasses.replace(
+            slot, worker=status, foreign_cpu=foreign, qos_actions=actions, qos_evicted=evicted
+        )
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):

@@ -15,6 +15,11 @@ Series (all prefixed ``nodeagent_``):
   ``slot_oom_kills_total``, each ``{slot, name}``, from the ``stats_provider`` (figures the kernel
   does not provide are left out rather than reported as zero);
 - ``worker_restarts_total{slot, name}``;
+- ``slot_foreign_cpu_seconds_total{slot, name}``, ``slot_foreign_irq_seconds_total{slot, name}`` and
+  ``slot_foreign_cpu_fraction{slot, name}``: guaranteed slots' CPU time taken by anything else
+  (docs/host-partitioning.md), counted from the agent's first look at the slot;
+- ``host_partitioning_active``, ``host_confined_items{kind}``, ``host_immovable_items``: whether the
+  rest of the host is kept off exclusive CPUs now, what is held confined, what cannot move;
 - ``ready``, ``agent_info{version, node_id, cgroup_mode}``, ``degraded_features``;
 - ``api_request_duration_seconds{method, route, status}`` (route is the path template);
 - ``reporter_failures_total``, ``reporter_last_success_timestamp_seconds``;
@@ -162,7 +167,32 @@ def _node_metrics(service: SlotService) -> list[Metric]:
         f"{PREFIX}_degraded_features", "Isolation features this agent cannot provide on this host."
     )
     degraded.add_metric((), len(node.degraded))
-    return [info, ready, degraded]
+    return [info, ready, degraded, *_host_metrics(node.host_partitioning)]
+
+
+def _host_metrics(status: Mapping[str, Any] | None) -> list[Metric]:
+    if status is None or status.get("mode") == "off":
+        return []
+    active = GaugeMetricFamily(
+        f"{PREFIX}_host_partitioning_active",
+        "1 while the rest of the host is kept off exclusive CPUs (some are held), else 0.",
+    )
+    active.add_metric((), 1 if status.get("active") else 0)
+    confined = GaugeMetricFamily(
+        f"{PREFIX}_host_confined_items",
+        "Tasks, cgroups, interrupts and workqueue masks held off exclusive CPUs, by kind.",
+        labels=("kind",),
+    )
+    immovable = GaugeMetricFamily(
+        f"{PREFIX}_host_immovable_items",
+        "Kernel threads, interrupts and tasks that stay on exclusive CPUs (per-CPU, managed, pinned).",
+    )
+    last = status.get("last")
+    if isinstance(last, Mapping):
+        for kind, n in _items(last.get("confined")):
+            confined.add_metric((kind,), float(n))
+        immovable.add_metric((), float(len(last.get("immovable") or ())))
+    return [active, confined, immovable]
 
 
 def _slot_metrics(slots: list[Slot]) -> list[Metric]:
@@ -191,7 +221,33 @@ def _slot_metrics(slots: list[Slot]) -> list[Metric]:
     )
     for (phase, qos), n in sorted(phases.items()):
         by_phase.add_metric((phase, qos), n)
-    return [by_state, by_phase, worker_phase, restarts]
+    return [by_state, by_phase, worker_phase, restarts, *_foreign_metrics(slots)]
+
+
+def _foreign_metrics(slots: list[Slot]) -> list[Metric]:
+    labels = ("slot", "name")
+    seconds = CounterMetricFamily(
+        f"{PREFIX}_slot_foreign_cpu_seconds",
+        "CPU time spent on a guaranteed slot's CPUs by anything that is not the slot (interrupts included).",
+        labels=labels,
+    )
+    irq = CounterMetricFamily(
+        f"{PREFIX}_slot_foreign_irq_seconds",
+        "Of that, time handling hard and soft interrupts on the slot's CPUs.",
+        labels=labels,
+    )
+    fraction = GaugeMetricFamily(
+        f"{PREFIX}_slot_foreign_cpu_fraction",
+        "Foreign CPU time as a fraction of the slot's CPU capacity since the agent first measured it.",
+        labels=labels,
+    )
+    for slot in slots:
+        if slot.foreign_cpu is not None:
+            key = (slot.id, slot.name)
+            seconds.add_metric(key, slot.foreign_cpu.seconds)
+            irq.add_metric(key, slot.foreign_cpu.irq_seconds)
+            fraction.add_metric(key, slot.foreign_cpu.fraction)
+    return [seconds, irq, fraction]
 
 
 def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:

@@ -100,6 +100,7 @@ class QosLoop:
         self._dirty = True
         self._refreshed_at = -REFRESH_SECONDS
         self._evicted: dict[str, _Evicted] = {}
+        # What API and scrape threads read (recent actions, evictions, counts) while the loop writes.
         self._views_lock = threading.Lock()
         self._recent: dict[str, collections.deque[dict[str, Any]]] = {}
         self._sequence = itertools.count(1)
@@ -121,7 +122,6 @@ class QosLoop:
         if self._thread is not None:
             return
         self.manager.subscribe(self._on_change)
-        self.actuator.prepare_resctrl()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="nodeagent-qos", daemon=True)
         self._thread.start()
@@ -194,8 +194,9 @@ class QosLoop:
         self._dirty = False
         self._refreshed_at = now
         slots = self.manager.list_slots()
-        if any(s.qos == "guaranteed" for s in slots) or self._infos:
-            self.actuator.prepare_resctrl()  # a new exclusive slot group may have rewritten ours
+        # Where the host has resctrl, (re)make best-effort's group: a start's reconcile removes it
+        # as an orphan, and a new exclusive slot group rewrites it.
+        self.actuator.prepare_resctrl()
         self._infos = [self._info(s) for s in slots if s.holding and s.cgroup is not None]
         return self._infos
 
@@ -210,7 +211,7 @@ class QosLoop:
             started_at=slot.created_at,
             memory_high=memory or None,
             running=running,
-            evicted=slot.id in self._evicted,
+            evicted=slot.id in self.evicted,
         )
 
     def _carry_out(self, action: Action, best_effort: list[str]) -> None:
@@ -220,11 +221,13 @@ class QosLoop:
                 if not self.manager.evict_worker(action.slot_id, action.reason):
                     self._forget(action)
                     return
-                self._evicted[action.slot_id] = _Evicted(self._clock())
+                with self._views_lock:
+                    self._evicted[action.slot_id] = _Evicted(self._clock())
                 self._dirty = True
             elif action.kind == "restore":
                 assert action.slot_id is not None
-                self._evicted.pop(action.slot_id, None)
+                with self._views_lock:
+                    self._evicted.pop(action.slot_id, None)
                 self._dirty = True
                 if not self.manager.restore_worker(action.slot_id, action.reason):
                     return
@@ -283,17 +286,19 @@ class QosLoop:
         """An evicted worker still alive after the grace period is killed with its slot's processes
         (memory must come back now, not after the worker's own grace); one started again by the
         operator after it stopped is the operator's."""
-        for slot_id, evicted in list(self._evicted.items()):
+        with self._views_lock:
+            evictions = list(self._evicted.items())
+        for slot_id, evicted in evictions:
             try:
                 slot = self.manager.get_slot(slot_id)
             except NodeAgentError:
-                del self._evicted[slot_id]
+                self._forget_eviction(slot_id)
                 continue
             alive = slot.worker is not None and slot.worker.phase in ALIVE_PHASES
             if not alive:
                 evicted.seen_stopped = True
             elif evicted.seen_stopped:
-                del self._evicted[slot_id]  # started by hand: no longer the loop's
+                self._forget_eviction(slot_id)  # started by hand: no longer the loop's
                 self._dirty = True
             elif now - evicted.at >= self.evict_grace_seconds and slot.cgroup is not None:
                 log.info(
@@ -305,6 +310,10 @@ class QosLoop:
                     self.actuator.kill(slot.cgroup)
                 except NodeAgentError as err:
                     self._error(f"evicted worker of {slot_id} not killed: {err}")
+
+    def _forget_eviction(self, slot_id: str) -> None:
+        with self._views_lock:
+            self._evicted.pop(slot_id, None)
 
     def _error(self, message: str) -> None:
         self.errors += 1
@@ -336,7 +345,7 @@ class QosLoop:
         with self._views_lock:
             recent = self._recent.get(slot_id)
             actions = tuple(dict(a) for a in recent) if recent else ()
-        return actions, slot_id in self._evicted
+            return actions, slot_id in self._evicted
 
     def admit(self, request: SlotRequest, best_effort_cpus: float, best_effort_memory: int) -> None:
         if self.admission != "batch":
@@ -369,7 +378,8 @@ class QosLoop:
 
     @property
     def evicted(self) -> frozenset[str]:
-        return frozenset(self._evicted)
+        with self._views_lock:
+            return frozenset(self._evicted)
 
     @property
     def measured(self) -> Measured | None:

@@ -36,6 +36,8 @@ class NodeInfo:
     started_at: float
     cgroup_mode: str
     degraded: tuple[str, ...] = field(default_factory=tuple)  #: what this agent cannot isolate, and why
+    #: host partitioning's mode and last pass (None: this agent does not partition the host)
+    host_partitioning: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +47,7 @@ class NodeInfo:
             "started_at": self.started_at,
             "cgroup_mode": self.cgroup_mode,
             "degraded": list(self.degraded),
+            "host_partitioning": self.host_partitioning,
         }
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
@@ -54,6 +55,9 @@ class Slot:
     updated_at: float = 0.0
     #: The worker's live status; set on slots read through the service, None without a worker.
     worker: WorkerStatus | None = None
+    #: CPU time spent on a guaranteed slot's CPUs by anything else; set on slots read through the
+    #: service where it can be measured.
+    foreign_cpu: ForeignCpu | None = None
     #: Recent actions of the QoS loop on this slot (newest last), as published; set when read
     #: through the service.
     qos_actions: tuple[Mapping[str, Any], ...] = ()
@@ -92,6 +96,7 @@ class Slot:
             "reason": self.reason,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
+            "foreign_cpu": None if self.foreign_cpu is None else self.foreign_cpu.to_json(),
             "qos_actions": [dict(action) for action in self.qos_actions],
             "qos_evicted": self.qos_evicted,
         }

@@ -313,14 +313,14 @@ class StateStore:
 
     def insert_slot(self, slot: Slot) -> Slot:
         now = self._clock()
-        stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None)
+        stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None, foreign_cpu=None)
         self._write(_SLOT_INSERT, _slot_row(stored))
         self._keep_manifest(stored)
         return stored
 
     def update_slot(self, slot: Slot) -> Slot:
         """Write ``slot``'s request, assignment, state, reason and applied state; returns it as stored."""
-        changed = dataclasses.replace(slot, updated_at=self._clock(), worker=None)
+        changed = dataclasses.replace(slot, updated_at=self._clock(), worker=None, foreign_cpu=None)
         row = dict(zip(_SLOT_COLUMNS, _slot_row(changed), strict=True))
         values = {k: row[k] for k in _UPDATED_SLOT_COLUMNS}
         assignments = ", ".join(f"{k} = :{k}" for k in values)

@@ -50,6 +50,27 @@ def order_by_l3(cores: Sequence[FreeCore], want: int) -> list[FreeCore]:
     return [c for g in order for c in groups[g]]
 
 
+def quietest_first(cores: Sequence[FreeCore], irq_load: Mapping[int, int] | None) -> list[FreeCore]:
+    """``cores`` with each L3 group's cores reordered by interrupt load (fewest first, then as given).
+
+    An interrupt handler preempts whatever runs on its CPU, and an exclusive CPU cannot keep the
+    unmovable (managed) ones away: among cores the rules above rank equal, the quietest go to
+    exclusive slots. Groups keep their order and stay contiguous, so no rule before this one changes.
+    """
+    if not irq_load:
+        return list(cores)
+    group_rank: dict[tuple[int, int], int] = {}
+    for c in cores:
+        group_rank.setdefault(c[2], len(group_rank))
+
+    def load(core: FreeCore) -> int:
+        mask = core[1]
+        return sum(irq_load.get(cpu, 0) for cpu in ids_of(mask))
+
+    ranked = sorted(enumerate(cores), key=lambda ic: (group_rank[ic[1][2]], load(ic[1]), ic[0]))
+    return [c for _, c in ranked]
+
+
 def pick_whole_cores(cores: Sequence[FreeCore], want: int, tpc: int, round_up: bool) -> int | None:
     """Whole cores (``cores`` holds only entirely free ones) making ``want`` CPUs, or rounding up."""
     picked = 0

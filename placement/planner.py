@@ -19,7 +19,14 @@ from nodeagent.devices.topology import Gpu, Topology
 from nodeagent.errors import PlacementError
 from nodeagent.placement.assignment import Assignment, DeviceAssignment, GpuShare, MigAssignment
 from nodeagent.placement.bitset import ids_of, mask_of
-from nodeagent.placement.cores import ThreadPick, needs_split, order_by_l3, pick_threads, pick_whole_cores
+from nodeagent.placement.cores import (
+    ThreadPick,
+    needs_split,
+    order_by_l3,
+    pick_threads,
+    pick_whole_cores,
+    quietest_first,
+)
 from nodeagent.placement.index import GpuRoles, placement_index
 from nodeagent.placement.ledger import NO_DEVICES, Allocated, FreeDevices
 from nodeagent.placement.options import PlacementOptions
@@ -33,9 +40,15 @@ class _Planner:
     """One decision: the request against the free resources. Build, call :meth:`plan`, discard."""
 
     def __init__(
-        self, topo: Topology, allocated: Allocated, request: SlotRequest, options: PlacementOptions
+        self,
+        topo: Topology,
+        allocated: Allocated,
+        request: SlotRequest,
+        options: PlacementOptions,
+        irq_load: Mapping[int, int] | None = None,
     ) -> None:
         self.index = placement_index(topo)
+        self.irq_load = irq_load
         self.usable = self.index.usable(options)
         self.alloc = allocated
         self.request = request
@@ -437,7 +450,7 @@ class _Planner:
     def _take_on_node(self, node: int, want: int) -> tuple[int, ...]:
         if not self.options.whole_cores:
             return self._take_threads_on_node(node, want)
-        cores = order_by_l3(self.free.cores[node], want)
+        cores = quietest_first(order_by_l3(self.free.cores[node], want), self.irq_load)
         picked = pick_whole_cores(cores, want, self.index.threads_per_core, self.options.round_up_to_cores)
         if picked is None:
             raise PlacementError(
@@ -448,13 +461,15 @@ class _Planner:
         self.reasons.append(
             f"node {node}: {picked.bit_count()} CPUs as whole cores from L3 "
             f"cache{'s' if len(groups) > 1 else ''} " + ",".join(map(str, groups))
+            + ("; the cores serving the fewest interrupts first" if self.irq_load else "")
         )
         return ids_of(picked)
 
     def _take_threads_on_node(self, node: int, want: int) -> tuple[int, ...]:
         """whole_cores off: whole cores first, then spare threads of partly used cores, then a split."""
         uniform = node not in self.index.short_core_nodes
-        pick = pick_threads(self.free.cores[node], want, self.index.core_mask, uniform=uniform)
+        cores = quietest_first(self.free.cores[node], self.irq_load)
+        pick = pick_threads(cores, want, self.index.core_mask, uniform=uniform)
         if pick is None:  # the node's free count was checked when the nodes were chosen
             raise PlacementError(
                 f"slot {self.request.name!r}: {want} CPUs are not free on node {node} "
@@ -686,10 +701,14 @@ def plan(
     allocated: Allocated,
     request: SlotRequest,
     options: PlacementOptions | None = None,
+    *,
+    irq_load: Mapping[int, int] | None = None,
 ) -> Assignment:
     """Decide what ``request`` gets on ``topology`` given what ``allocated`` holds already.
 
-    Pure: the same inputs give the same Assignment. Raises PlacementError (does not fit),
-    ConfigError (options that do not match the topology).
+    ``irq_load``: device interrupts per CPU (as counted in /proc/interrupts); among cores the rules
+    rank equal, an exclusive slot gets the ones that serve the fewest. Pure: the same inputs give the
+    same Assignment. Raises PlacementError (does not fit), ConfigError (options that do not match the
+    topology).
     """
-    return _Planner(topology, allocated, request, options or PlacementOptions()).plan()
+    return _Planner(topology, allocated, request, options or PlacementOptions(), irq_load).plan()

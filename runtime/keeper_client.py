@@ -165,6 +165,10 @@ def stop_keeper(directory: Path, timeout: float = 10.0) -> ProcessIdentity | Non
     return identity
 
 
+class _Vanished(Exception):
+    """The connection ended before the keeper answered: nobody is there to answer."""
+
+
 class KeeperClient:
     """The agent's connection to the keeper of ``directory`` (see the module docstring)."""
 
@@ -334,40 +338,43 @@ class KeeperClient:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 sock.connect(str(path))
+                identity = self._handshake(sock)
                 break
-            except (FileNotFoundError, ConnectionRefusedError) as err:
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, _Vanished) as err:
+                # Nobody listens, or a keeper that died was still listening through a child it had
+                # just forked (which holds its descriptors until it closes them): start one, retry.
                 sock.close()
                 if time.monotonic() > deadline:
                     raise WorkerError(
-                        f"cannot reach a keeper at {path} ({err.strerror}) within {START_TIMEOUT:g}s; "
+                        f"cannot reach a keeper at {path} ({err}) within {START_TIMEOUT:g}s; "
                         f"see {self.directory / proto.LOG_NAME}"
                     ) from err
+            except (OSError, proto.ProtocolError) as err:
+                sock.close()
+                raise WorkerError(f"the keeper at {path} did not complete the handshake: {err}") from err
+            except WorkerError:
+                sock.close()
+                raise
             if self._start_keeper() == proto.EXIT_ALREADY_RUNNING:
                 time.sleep(0.02)  # another keeper holds the lock: it is starting, or dying
-        try:
-            identity = self._handshake(sock)
-            pidfd = open_verified_pidfd(identity)
-            if pidfd is None:
-                raise WorkerError(f"the keeper (pid {identity.pid}) exited right after it answered")
-        except (OSError, proto.ProtocolError) as err:
+        pidfd = open_verified_pidfd(identity)
+        if pidfd is None:
             sock.close()
-            raise WorkerError(f"the keeper at {path} did not complete the handshake: {err}") from err
-        except WorkerError:
-            sock.close()
-            raise
+            raise WorkerError(f"the keeper (pid {identity.pid}) exited right after it answered")
         self._sock, self._keeper, self._keeper_pidfd = sock, identity, pidfd
         self._trace = self._trace if self._trace.fd is not None else Trace.from_environment()
         self._watch_keeper_death()
         self._request_arms()
 
     def _handshake(self, sock: socket.socket) -> ProcessIdentity:
+        """Hello and welcome; _Vanished when the connection ends unanswered (no live keeper)."""
         sock.settimeout(REPLY_TIMEOUT)
         proto.send(sock, {"op": "hello", "protocol": proto.PROTOCOL})
         reply, fds = proto.receive(sock)
         for fd in fds:
             os.close(fd)
         if reply is None:
-            raise WorkerError("the keeper closed the connection during the handshake")
+            raise _Vanished("the keeper closed the connection during the handshake")
         if reply["op"] != "welcome":
             pid = reply.get("pid", "?")
             raise WorkerError(

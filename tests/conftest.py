@@ -37,3 +37,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"CI is set, so this root/kernel test must run, but it skipped: {reason}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _host_left_as_found() -> Generator[None, None, None]:
+    """The machine the tests run on is also a developer's and CI's: a test that confines the host
+    (host partitioning) must put it back. PID 1's affinity narrowed by the end of the session means
+    one did not; it is put back to what it was at the start, and the session fails."""
+    before = os.sched_getaffinity(1)
+    yield
+    after = os.sched_getaffinity(1)
+    if after < before:
+        os.sched_setaffinity(1, before)
+        pytest.fail(
+            f"PID 1's CPU affinity went from {sorted(before)} to {sorted(after)} during the tests and was "
+            "put back: a host-partitioning test did not restore the host"
+        )

@@ -17,6 +17,21 @@ import httpx
 from nodeagent.runtime import keeper_protocol
 from nodeagent.runtime.keeper_client import stop_keeper
 
+#: Host partitioning off: a test's agent on a developer's or CI machine must not confine the whole
+#: host (every process, interrupts) unless the test is about exactly that and scopes it.
+HOST_OFF = {"host_partitioning": "off"}
+
+
+def without_host_partitioning(config_toml: str) -> str:
+    """``config_toml`` with ``[isolation] host_partitioning = "off"`` unless it says otherwise."""
+    if "host_partitioning" in config_toml:
+        return config_toml
+    line = 'host_partitioning = "off"\n'
+    if "[isolation]\n" in config_toml:
+        # A key right after the table header belongs to that table, whatever follows it.
+        return config_toml.replace("[isolation]\n", "[isolation]\n" + line, 1)
+    return f"[isolation]\n{line}\n{config_toml}"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -66,7 +81,7 @@ class DaemonProcess:
         work.mkdir(parents=True, exist_ok=True)
         self.state = work / "state"
         self.config = work / "config.toml"
-        self.config.write_text(config_toml)
+        self.config.write_text(without_host_partitioning(config_toml))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = work / "daemon.log"
         self.process: subprocess.Popen[bytes] | None = None

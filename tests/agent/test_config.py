@@ -118,6 +118,17 @@ def test_placement_defaults_match_placement_options() -> None:
         ),
         pytest.param("[gpu]\nignored_xids = [13, 'x']\n", "gpu.ignored_xids", id="mixed-list"),
         pytest.param("[log]\nlevel = 'loud'\n", "log.level", id="bad-level"),
+        pytest.param(
+            "[isolation]\nhost_partitioning = 'on'\n", "isolation.host_partitioning", id="bad-host-mode"
+        ),
+        pytest.param(
+            "[isolation]\nhost_partitioning_parts = ['irq']\n",
+            "isolation.host_partitioning_parts",
+            id="unknown-host-part",
+        ),
+        pytest.param(
+            "[isolation]\nhost_sweep_seconds = 0\n", "isolation.host_sweep_seconds", id="zero-sweep"
+        ),
         pytest.param("api = 3\n", "api", id="section-not-a-table"),
     ],
 )

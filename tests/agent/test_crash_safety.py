@@ -1,282 +1,51 @@
 """Crash safety: SIGKILL ``nodeagent serve``, its host keeper, or both, at random points of
-allocate/launch/release; restart what died (the agent restarts a dead keeper itself), and check
-after every round that no CPU is held twice (database and kernel cpusets), that no orphaned kernel
-object remains, that every live worker was re-adopted (by the agent and by the keeper), and that no
-process of ours runs outside a slot: no worker outside its slot's cgroup, no pre-forked child of a
-dead keeper left waiting.
+allocate/launch/resize/release; restart what died (the agent restarts a dead keeper itself), and
+check the invariants of tests/chaos.py after every round.
 
-Iterations: 50 when CI is set, else NODEAGENT_CRASH_ITERATIONS (default 5).
+Iterations: 50 when CI is set, else NODEAGENT_CRASH_ITERATIONS (default 5); bench/chaos.py runs 500.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
-import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import detect
-from nodeagent.cpulist import parse_cpulist
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from nodeagent.runtime.keeper_client import keeper_identity
-from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
-from tests.daemon import DaemonProcess, keeper_status, wait_until
+from tests.chaos import Names, run
+from tests.daemon import DaemonProcess
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 ITERATIONS = 50 if os.environ.get("CI") else int(os.environ.get("NODEAGENT_CRASH_ITERATIONS", "5"))
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PARENT = f"natest{os.getpid()}c.slice"
-NETNS_PREFIX = f"nt{os.getpid()}-"
-#: its own firewall table too: remove_all() deletes the configured one
-FIREWALL_TABLE = f"natest{os.getpid()}c"
-NAMES = ("a", "b", "c")
-HOLDING = ("pending", "ready", "running", "releasing")
+NAMES = Names(
+    parent=f"natest{os.getpid()}c.slice",
+    netns_prefix=f"nt{os.getpid()}-",
+    firewall_table=f"natest{os.getpid()}c",
+)
 
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(
-        tmp_path,
-        f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "{NETNS_PREFIX}"\n'
-        f'firewall_table = "{FIREWALL_TABLE}"\n',
-    )
+    d = DaemonProcess(tmp_path, NAMES.config_toml())
     yield d
     d.stop()
     d.stop_keeper()
-    cfg = apply_overrides(
-        parse_config(
-            {
-                "isolation": {
-                    "cgroup_parent": PARENT,
-                    "netns_prefix": NETNS_PREFIX,
-                    "firewall_table": FIREWALL_TABLE,
-                }
-            }
-        ),
-        state_dir=d.state,
-    )
+    cfg = apply_overrides(parse_config(NAMES.config()), state_dir=d.state)
     kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
     if isinstance(kernel, KernelIsolation):
         kernel.isolator.remove_all()
 
 
-def random_operation(client: httpx.Client, rng: random.Random) -> None:
-    name = rng.choice(NAMES)
-    action = rng.random()
-    try:
-        if action < 0.5:
-            qos = rng.choice(("guaranteed", "burstable"))
-            cpus = 1 if qos == "guaranteed" else 0.2
-            body: dict[str, Any] = {"name": name, "qos": qos, "resources": {"cpus": cpus, "memory": "32Mi"}}
-            if rng.random() < 0.7:
-                body["worker"] = {
-                    "command": ["/bin/sleep", "600"],
-                    "restart": "always",
-                    "stop_grace_seconds": 1,
-                }
-            client.post("/v1/slots", json=body)
-        elif action < 0.85:
-            client.delete(f"/v1/slots/{name}")
-        else:
-            client.post(f"/v1/slots/{name}/worker", json={"command": ["/bin/sleep", "600"]})
-    except httpx.TransportError:
-        pass  # the daemon died under us: that is the point
-
-
-def slot_dirs() -> dict[str, Path]:
-    parents = [
-        CGROUP_ROOT / "cpuset" / PARENT,
-        *(CGROUP_ROOT / "cpuset" / PARENT / c for c in ("burstable", "best-effort")),
-    ]
-    found: dict[str, Path] = {}
-    for parent in parents:
-        if parent.is_dir():
-            for entry in parent.iterdir():
-                if entry.is_dir() and entry.name not in ("burstable", "best-effort"):
-                    found[entry.name] = entry
-    return found
-
-
-def check_booking(client: httpx.Client) -> None:
-    """Resources: what the database books and what the kernel holds agree, nothing twice."""
-    slots = client.get("/v1/slots").json()
-    slots = slots["slots"] if isinstance(slots, dict) else slots
-    assert all(s["state"] not in ("pending", "releasing") for s in slots), "reconcile left unfinished work"
-    holding = [s for s in slots if s["state"] in HOLDING]
-    # No CPU held twice, in the database...
-    exclusive = [c for s in holding if s["assignment"]["exclusive"] for c in s["assignment"]["cpus"]]
-    assert len(exclusive) == len(set(exclusive)), f"CPUs held twice in the database: {exclusive}"
-    # ...nor in the kernel, and the kernel has exactly the database's slots.
-    dirs = slot_dirs()
-    assert set(dirs) == {s["id"] for s in holding}, "orphaned or missing cgroups"
-    seen: set[int] = set()
-    for s in holding:
-        cpus = parse_cpulist((dirs[s["id"]] / "cpuset.cpus").read_text())
-        if s["assignment"]["exclusive"]:
-            assert cpus == frozenset(s["assignment"]["cpus"])
-            assert not cpus & seen, f"exclusive CPUs {sorted(cpus & seen)} also used by another slot"
-            seen |= cpus
-    for s in holding:
-        if not s["assignment"]["exclusive"]:
-            cpus = parse_cpulist((dirs[s["id"]] / "cpuset.cpus").read_text())
-            assert not cpus & seen, "a shared slot runs on an exclusive slot's CPUs"
-    netns_dir = Path("/run/netns")
-    stray = (
-        [n.name for n in netns_dir.iterdir() if n.name.startswith(NETNS_PREFIX)] if netns_dir.is_dir() else []
-    )
-    assert stray == [], f"orphaned netns {stray}"
-
-
-def _proc(pid: str, name: str) -> bytes:
-    try:
-        return (Path("/proc") / pid / name).read_bytes()
-    except OSError:
-        return b""
-
-
-def _running(pid: str) -> bool:
-    stat = _proc(pid, "stat")
-    return bool(stat) and stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
-
-
-def our_processes(daemon: DaemonProcess) -> tuple[dict[int, str], set[int]]:
-    """(worker pid -> its slot id, from its environment) for every worker launched by this test's
-    agent, and the pids of everything running the keeper's command line for this test's state
-    (the keeper and the children it forked ahead of time: forked, never exec'd)."""
-    keeper_argv = f"-m\0nodeagent.runtime.keeper\0{daemon.keeper_dir}\0".encode()
-    workers: dict[int, str] = {}
-    keepers: set[int] = set()
-    marker = f"NODEAGENT_SLOT_FILE={daemon.state / 'workers'}/".encode()
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        if not _running(pid):
-            continue
-        if _proc(pid, "cmdline").endswith(keeper_argv):
-            keepers.add(int(pid))
-            continue
-        for entry in _proc(pid, "environ").split(b"\0"):
-            if entry.startswith(marker):
-                workers[int(pid)] = entry[len(marker) :].split(b"/")[0].decode()
-    return workers, keepers
-
-
-def check_processes(client: httpx.Client, daemon: DaemonProcess) -> None:
-    """Processes: every live worker is in its slot and re-adopted by the agent and the keeper; no
-    child of a dead keeper is left waiting. A dead keeper is replaced asynchronously: retried."""
-    slots = client.get("/v1/slots").json()
-    slots = slots["slots"] if isinstance(slots, dict) else slots
-    holding = {s["id"]: s for s in slots if s["state"] in HOLDING}
-    dirs = slot_dirs()
-    for s in holding.values():
-        tasks = {int(p) for p in (dirs[s["id"]] / "cgroup.procs").read_text().split()}
-        worker = s.get("worker") or {}
-        if tasks:
-            assert worker.get("pid") in tasks, f"slot {s['name']} runs {tasks} but the agent reports {worker}"
-            assert worker.get("phase") in ("starting", "running", "unready", "stopping")
-    workers, keepers = our_processes(daemon)
-    for pid, slot_id in workers.items():
-        assert slot_id in holding, f"worker {pid} of slot {slot_id} runs, but no such slot holds resources"
-        tasks = {int(p) for p in (dirs[slot_id] / "cgroup.procs").read_text().split()}
-        assert pid in tasks, f"worker {pid} of slot {slot_id} runs outside its slot's cgroup"
-    keeper = keeper_identity(daemon.keeper_dir)
-    alive = [keeper.pid] if keeper is not None and is_alive(keeper) else []
-    if workers or keepers:
-        assert alive, "workers run but no keeper does"
-    strays = {pid for pid in keepers - set(alive) if parent(pid) not in alive}
-    assert not strays, f"children of a dead keeper still wait: {sorted(strays)}"
-    if alive:
-        status = keeper_status(daemon.keeper_dir)
-        assert status is not None, "the keeper does not answer"
-        custody = {w["pid"] for w in status["workers"] if not w["final"]}
-        assert set(workers) <= custody, f"workers {sorted(set(workers) - custody)} are in no keeper's custody"
-
-
-def is_alive(identity: ProcessIdentity) -> bool:
-    return process_start_time(identity.pid) == identity.start_time and _running(str(identity.pid))
-
-
-def parent(pid: int) -> int:
-    stat = _proc(str(pid), "stat")
-    return int(stat[stat.rindex(b")") + 2 :].split()[1]) if stat else 0
-
-
-def settle(what: str, check: Any, timeout: float = 30.0) -> None:
-    """``check`` until it passes (AssertionError: not yet), or fail with its last complaint."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            check()
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
-def kill_keeper(daemon: DaemonProcess) -> None:
-    """SIGKILL the daemon's keeper, exactly that process (verified pidfd), and wait for it to die."""
-    identity = keeper_identity(daemon.keeper_dir)
-    pidfd = None if identity is None else open_verified_pidfd(identity)
-    if pidfd is None:
-        return
-    assert identity is not None
-    with contextlib.suppress(ProcessLookupError):
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    os.close(pidfd)
-    wait_until("the keeper to die", lambda: not is_alive(identity))
-
-
-def victims(rng: random.Random) -> tuple[str, ...]:
-    return rng.choice((("agent",), ("keeper",), ("agent", "keeper"), ("keeper", "agent")))
-
-
 def test_sigkill_of_agent_keeper_or_both_at_random_points_never_double_books(daemon: DaemonProcess) -> None:
-    rng = random.Random(os.environ.get("NODEAGENT_CRASH_SEED", "7"))
-    began = time.monotonic()
-    client: httpx.Client | None = None
-    killed: dict[str, int] = {"agent": 0, "keeper": 0}
-    for _ in range(ITERATIONS):
-        if client is None:
-            client = daemon.start()
-        check_booking(client)
-        settle("processes", lambda c=client: check_processes(c, daemon))
-        stop = threading.Event()
-
-        def churn(c: httpx.Client = client, stop: threading.Event = stop) -> None:
-            while not stop.is_set():
-                random_operation(c, rng)
-
-        worker = threading.Thread(target=churn)
-        worker.start()
-        time.sleep(rng.uniform(0.0, 0.4))
-        for victim in victims(rng):
-            killed[victim] += 1
-            if victim == "agent":
-                daemon.kill()
-            else:
-                kill_keeper(daemon)
-        stop.set()
-        worker.join(timeout=60)
-        if daemon.process is None:  # the agent died: start it again next round
-            client.close()
-            client = None
-    if client is None:
-        client = daemon.start()
-    check_booking(client)
-    settle("processes", lambda c=client: check_processes(c, daemon))
-    client.close()
+    tally = run(daemon, NAMES, ITERATIONS, os.environ.get("NODEAGENT_CRASH_SEED", "7"))
     print(
-        f"{ITERATIONS} rounds in {time.monotonic() - began:.1f} s: SIGKILLed the agent {killed['agent']}, "
-        f"the keeper {killed['keeper']} times"
+        f"{tally.rounds} rounds, {tally.operations} operations in {tally.seconds:.1f} s: SIGKILLed the "
+        f"agent {tally.killed['agent']}, the keeper {tally.killed['keeper']} times"
     )

@@ -125,6 +125,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "cache/memory-bandwidth isolation",
             "PSI",
             "isolcpus",
+            "exclusive CPU noise",
             "NUMA balancing",
             "NUMA memory",
             "swap",
@@ -352,3 +353,103 @@ def test_this_host_reports_hybrid() -> None:
     table = CliRunner().invoke(command, [])
     assert "cgroup mode" in table.output
     assert table.output.rstrip().endswith(f"overall: {data['status']}")
+
+
+# --------------------------------------------------------------------------- host partitioning
+
+
+def test_exclusive_cpu_noise_lists_what_cannot_move(tmp_path: Path) -> None:
+    from nodeagent.agent.doctor import check_unmovable
+    from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY
+
+    flags = PF_KTHREAD | PF_NO_SETAFFINITY
+    tree = {
+        "proc/20/stat": f"20 (ksoftirqd/3) S 2 0 0 0 0 {flags} 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n",
+        "proc/21/stat": "21 (sshd) S 1 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n",
+        "proc/interrupts": "           CPU0\n 33:   3   PCI-MSI 81921-edge   nvme0q1\n",
+        "sys/kernel/debug/irq/irqs/33": "handler: handle_edge_irq\nstate: IRQD_AFFINITY_MANAGED\n",
+        "sys/kernel/debug/irq/irqs/34": "state: \n",
+        "sys/devices/system/cpu/nohz_full": "(null)\n",
+    }
+    check = check_unmovable(HostRoots.under(write_tree(tmp_path, tree)))
+    assert check.status == "OK"
+    assert "per-CPU kernel threads cannot move (ksoftirqd)" in check.detail
+    assert "managed interrupts stay where the kernel put them: 33 (nvme0q1)" in check.detail
+    assert "nohz_full=CPUS" in check.hint
+
+
+def test_an_irqbalance_without_its_socket_is_a_warning(tmp_path: Path) -> None:
+    from nodeagent.agent.doctor import check_unmovable
+
+    root = write_tree(tmp_path, {"proc/77/comm": "irqbalance\n", "proc/77/stat": "77 (irqbalance) S 1 0\n"})
+    check = check_unmovable(HostRoots.under(root))
+    assert check.status == "WARN"
+    assert "irqbalance (pid 77) runs without its control socket" in check.detail
+    write_tree(root, {"run/irqbalance/irqbalance77.sock": ""})
+    assert check_unmovable(HostRoots.under(root)).status == "OK"
+
+
+@pytest.mark.parametrize(
+    ("status", "expected", "detail"),
+    [
+        pytest.param(None, "WARN", "does not partition", id="no-isolation"),
+        pytest.param({"mode": "off"}, "WARN", "off: every process", id="off"),
+        pytest.param(
+            {"mode": "auto", "active": False, "last": None}, "OK", "no exclusive CPU is held", id="idle"
+        ),
+        pytest.param(
+            {
+                "mode": "auto",
+                "active": True,
+                "last": {
+                    "exclusive_cpus": "3",
+                    "host_cpus": "0-2",
+                    "confined": {"tasks": 120, "irq": 9, "cgroup": 0},
+                    "immovable": ["interrupt 33 (nvme0q1) stays on CPU(s) 3: a managed interrupt"],
+                    "warnings": [],
+                    "problems": [],
+                },
+            },
+            "OK",
+            "exclusive CPUs 3, the rest of the host on 0-2; confined: 9 irq, 120 tasks; "
+            "cannot move (1): interrupt 33",
+            id="active",
+        ),
+        pytest.param(
+            {"mode": "auto", "active": True, "error": "partition: disk full", "last": {"confined": {}}},
+            "WARN",
+            "last pass failed: partition: disk full",
+            id="failed",
+        ),
+    ],
+)
+def test_host_partitioning_from_the_agents_node(status: object, expected: str, detail: str) -> None:
+    from nodeagent.agent.doctor import check_host_partitioning
+
+    check = check_host_partitioning({"host_partitioning": status})
+    assert check.status == expected
+    assert detail in check.detail
+
+
+def test_foreign_cpu_time_warns_above_one_percent() -> None:
+    from nodeagent.agent.doctor import agent_checks
+
+    quiet = {
+        "name": "a",
+        "assignment": {"cpuset": "3"},
+        "foreign_cpu": {"seconds": 0.1, "fraction": 0.001, "irq_seconds": 0.1},
+    }
+    noisy = {
+        "name": "b",
+        "assignment": {"cpuset": "2"},
+        "foreign_cpu": {"seconds": 9.0, "fraction": 0.3, "irq_seconds": 0.0},
+    }
+    shared = {"name": "c", "foreign_cpu": None}
+    host, foreign = agent_checks({"host_partitioning": {"mode": "auto", "active": False}}, [quiet, shared])
+    assert host.name == "host partitioning"
+    assert foreign.status == "OK"
+    assert foreign.detail == "a (CPUs 3): 0.10% of its CPU time (0.10 s, of which interrupts 0.10 s)"
+    _, foreign = agent_checks({}, [quiet, noisy])
+    assert foreign.status == "WARN"
+    assert foreign.detail.startswith("b (CPUs 2): 30.00%")
+    assert agent_checks({}, [shared])[1].detail == "no guaranteed slot to measure"

@@ -20,7 +20,8 @@ from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.daemon import build_manager, ensure_state_dir
 from pathlib import Path
 state = Path(sys.argv[1])
-config = apply_overrides(parse_config({"isolation": {"cgroup_parent": sys.argv[2]}}), state_dir=state)
+isolation = {"cgroup_parent": sys.argv[2], "host_partitioning": "off"}
+config = apply_overrides(parse_config({"isolation": isolation}), state_dir=state)
 ensure_state_dir(config.state_dir)
 manager = build_manager(config)
 manager.start()

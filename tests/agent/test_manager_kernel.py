@@ -19,6 +19,7 @@ from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.schema.request import parse_slot_request
+from tests.daemon import HOST_OFF
 
 pytestmark = pytest.mark.root
 
@@ -36,7 +37,9 @@ REQUEST = {
 def config(tmp_path: Path) -> Iterator[object]:
     cfg = apply_overrides(
         # Its own firewall table too: remove_all() below deletes the configured one.
-        parse_config({"isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m"}}),
+        parse_config(
+            {"isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m", **HOST_OFF}}
+        ),
         state_dir=tmp_path / "state",
     )
     ensure_state_dir(cfg.state_dir)

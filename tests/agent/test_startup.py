@@ -16,7 +16,7 @@ from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from tests.daemon import DaemonProcess, free_port
+from tests.daemon import HOST_OFF, DaemonProcess, free_port
 
 pytestmark = [pytest.mark.root]
 
@@ -33,7 +33,8 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     d = DaemonProcess(tmp_path, f'[isolation]\ncgroup_parent = "{PARENT}"\n')
     yield d
     d.stop()
-    cfg = apply_overrides(parse_config({"isolation": {"cgroup_parent": PARENT}}), state_dir=d.state)
+    isolation = {"cgroup_parent": PARENT, **HOST_OFF}
+    cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=d.state)
     isolation = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
     if isinstance(isolation, KernelIsolation):
         isolation.isolator.remove_all()  # kills what the test left in its slots
