@@ -62,6 +62,7 @@ from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
+    from nodeagent.agent.qos import QosLoop
     from nodeagent.agent.reporter import Reporter
 
 log = logging.getLogger("nodeagent.daemon")
@@ -215,7 +216,7 @@ def build_isolation(
             veth_prefix=iso.veth_prefix,
             nft_table=iso.firewall_table,
         ),
-        qos=QosDefaults(pids_max=iso.pids_max),
+        qos=QosDefaults(pids_max=iso.pids_max, suppressed_cpus=config.qos.suppressed_cpus),
         allow_unfiltered_network=iso.allow_unfiltered_network,
     )
     # The isolator takes its CPU layout from the topology discovered at start-up: sysfs is read once.
@@ -377,6 +378,19 @@ def _reporter(
     )
 
 
+def _qos_loop(config: AgentConfig, manager: SlotManager, metrics: Metrics) -> QosLoop | None:
+    """The QoS loop (best-effort in what online slots leave), started, when this agent isolates."""
+    from nodeagent.agent.qos import build_qos_loop  # noqa: PLC0415 - not on the CLI's import path
+
+    loop = build_qos_loop(config, manager)
+    if loop is None:
+        return None
+    manager.attach_qos(loop)
+    metrics.registry.register(loop.collector())
+    loop.start()
+    return loop
+
+
 def _listen_sockets(config: AgentConfig) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     if config.api.listen:
@@ -465,6 +479,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         },
     )
     metrics = Metrics(manager, stats_provider=_slot_stats(manager))
+    qos = _qos_loop(config, manager, metrics)
     reporter = _reporter(config, manager, metrics, reporter_token)
     watchdog = notify.Watchdog.from_environment()
     received: list[int] = []
@@ -503,6 +518,8 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
             notify.stopping("shutting down; workers keep running")
         if watchdog is not None:
             watchdog.stop()
+        if qos is not None:
+            qos.stop()
         if reporter is not None:
             reporter.stop()
         manager.close()

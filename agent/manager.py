@@ -58,7 +58,7 @@ from typing import Any
 from nodeagent import __version__
 from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
-from nodeagent.agent.service import AllocateResult, NodeInfo
+from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description, slot_from_kernel
@@ -180,7 +180,18 @@ class SlotManager:
         self._host = host
         self._host_ready = False  # set once reconcile knows which exclusive CPUs the slots hold
         self._held = Allocated()
+        self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
+
+    @property
+    def isolation(self) -> IsolationBackend:
+        """The kernel side this manager drives (the QoS loop acts on the same isolator)."""
+        return self._isolation
+
+    def attach_qos(self, view: QosView | None) -> None:
+        """Let the QoS loop (agent.qos) add its view to slots and capacity and bound best-effort
+        admission; None detaches it."""
+        self._qos = view
 
     # ------------------------------------------------------------------ the ledger
 
@@ -264,6 +275,8 @@ class SlotManager:
             }
             for g in self._topology.gpus
         ] + [{"kind": "fpga", "id": f.id, "healthy": f.healthy} for f in self._topology.fpgas]
+        qos = self._qos
+        body["batch"] = None if qos is None else qos.batch()
         return body
 
     def list_slots(self) -> list[Slot]:
@@ -328,6 +341,13 @@ class SlotManager:
                     return self._finish_allocate(existing, req)
                 else:
                     return AllocateResult(self._view(existing), created=False)
+            if self._qos is not None and req.qos == "best-effort":
+                held = self._ledger
+                self._qos.admit(
+                    req,
+                    held.quota_millis.get("best-effort", 0) / 1000,
+                    held.memory_by_qos.get("best-effort", 0),
+                )
             assignment = plan(self._topology, self._ledger, req, self._options, irq_load=self._irq_load())
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
@@ -595,6 +615,44 @@ class SlotManager:
         self._notify()
         return self.get_slot(slot_id)
 
+    def evict_worker(self, slot_id: str, reason: str) -> bool:
+        """Stop a slot's worker for the QoS loop: its slot stays, and what the operator wants of the
+        worker (desired running) is unchanged, so the loop starts it again (restore_worker) when the
+        pressure is gone, and an agent restart starts it too. False when no worker is alive."""
+        with self._lock:
+            slot = self._slot(slot_id)
+            supervisor = self._loop.get(slot.id)
+            if supervisor is None or supervisor.phase not in ALIVE_PHASES:
+                return False
+            supervisor.stop()
+            self._record_status(slot.id, supervisor.tick())
+            self._loop.schedule(slot.id)
+            self._store.add_event(
+                "evict", f"worker of {slot.name!r} evicted by the QoS loop: {reason}", slot.id
+            )
+        self._notify()
+        return True
+
+    def restore_worker(self, slot_id: str, reason: str) -> bool:
+        """Start an evicted worker again. False when the slot is gone, its worker was stopped by the
+        operator meanwhile (desired stopped) or is already running."""
+        with self._lock:
+            slot = self._store.get_slot(slot_id)
+            supervisor = self._loop.get(slot_id)
+            worker = self._store.get_worker(slot_id)
+            if slot is None or supervisor is None or worker is None or worker.desired != "running":
+                return False
+            if supervisor.phase in ALIVE_PHASES:
+                return False
+            supervisor.start()
+            self._record_status(slot.id, supervisor.status())
+            self._loop.schedule(slot.id)
+            self._store.add_event(
+                "restore", f"worker of {slot.name!r} restored by the QoS loop: {reason}", slot.id
+            )
+        self._notify()
+        return True
+
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
         resolved = resolve(spec)
@@ -806,7 +864,18 @@ class SlotManager:
             if self._sandbox is not None and self._sandbox.active
             else None
         )
-        return dataclasses.replace(slot, worker=status, foreign_cpu=self._foreign_cpu(slot), sandbox_uid=uid)
+        foreign = self._foreign_cpu(slot)
+        if self._qos is None:
+            return dataclasses.replace(slot, worker=status, foreign_cpu=foreign, sandbox_uid=uid)
+        actions, evicted = self._qos.slot_view(slot.id)
+        return dataclasses.replace(
+            slot,
+            worker=status,
+            foreign_cpu=foreign,
+            sandbox_uid=uid,
+            qos_actions=actions,
+            qos_evicted=evicted,
+        )
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):
