@@ -9,7 +9,6 @@ the test's slots), so the thresholds are crossed by a few hundred MiB of the rea
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from nodeagent.isolation.colocation_kernel import Actuator, Sampler
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.schema.request import parse_slot_request
 from tests.isolation.colocation_scenarios import MiB, SimulatedMachine
+from tests.workerpy import world_python
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -108,7 +108,7 @@ def test_evicted_worker_is_stopped_then_restarted_and_online_is_untouched(
                     "qos": "best-effort",
                     "priority": 2,
                     "worker": {
-                        "command": [sys.executable, "-c", HOG],
+                        "command": [world_python(), "-c", HOG],  # runnable by the slot's own uid
                         "restart": "always",
                         "stop_grace_seconds": 30,
                     },
