@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.cgroups import CgroupHost, Hierarchy, Resources, open_manager
+from nodeagent.cgroups import CgroupHost, CgroupLimits, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.cpulist import parse_cpulist
@@ -210,7 +210,7 @@ class SharedPool:
             groups.append(CpusetGroup(relpath, self.read_cpus(relpath), target))
         groups.append(CpusetGroup(best_effort, self.read_cpus(best_effort), best_effort_cpus))
         for relpath, cpus in plan_cpuset_writes(groups):
-            open_manager(self.host, relpath).set(Resources(cpuset_cpus=cpus))
+            open_manager(self.host, relpath).set(CgroupLimits(cpuset_cpus=cpus))
         return pool
 
     def read_cpus(self, relpath: str) -> frozenset[int]:
