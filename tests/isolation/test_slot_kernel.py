@@ -22,12 +22,12 @@ from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
 from nodeagent.isolation.network import (
     HostPort,
-    IpBatchBackend,
     SlotAccess,
     SlotNetwork,
     SlotNetworkConfig,
     host_veth_name,
 )
+from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
