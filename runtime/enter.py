@@ -295,10 +295,17 @@ def _fork_into_joined_pid_namespace(reports: tuple[int, int]) -> None:
 
 
 def set_oom_score_adj(value: int) -> None:
-    """The OOM killer's bias for this process and what it execs (-1000..1000)."""
+    """The OOM killer's bias for this process and what it execs (-1000..1000).
+
+    Raising it is always allowed; lowering it below what the process inherited needs
+    CAP_SYS_RESOURCE, which some hosts withhold even from root (containers, restricted VMs). There
+    the worker keeps the inherited value rather than fail to start: a guaranteed worker then has
+    the keeper's protection, not less."""
     fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, str(value).encode())
+    except PermissionError:
+        pass  # lowering refused (no CAP_SYS_RESOURCE): keep the inherited value
     finally:
         os.close(fd)
 
