@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
@@ -38,6 +39,7 @@ from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
+from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.host import HostReport, validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
@@ -281,6 +283,19 @@ def build_manager(
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),
+        cdi=build_cdi(config, can_isolate=isolation.isolates),
+    )
+
+
+def build_cdi(config: AgentConfig, *, can_isolate: bool) -> SlotCdiSpecs | None:
+    """The slots' CDI specs ([cdi]); none where slots are not isolated (their devices are not the
+    slot's alone, and the dynamic CDI directory is root's)."""
+    if not config.cdi.enabled or not can_isolate:
+        return None
+    return SlotCdiSpecs(
+        CdiSpecDir(Path(config.cdi.dir), config.cdi.prefix),
+        config.state_dir / "cdi",
+        device_specs=config.cdi.device_specs,
     )
 
 

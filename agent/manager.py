@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.agent.cdi import SlotCdiSpecs, try_cdi
 from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo
@@ -109,6 +110,8 @@ class ReconcileReport:
     workers_adopted: list[str] = field(default_factory=list)
     workers_exited: list[str] = field(default_factory=list)
     workers_started: list[str] = field(default_factory=list)
+    #: CDI specs of slots the agent does not hold (by slot id), removed
+    cdi_removed: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -157,10 +160,12 @@ class SlotManager:
         clock: Callable[[], float] = time.time,
         host: HostPartitioning | None = None,
         sandbox: SandboxPolicy | None = None,
+        cdi: SlotCdiSpecs | None = None,
     ) -> None:
         """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
-        neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
+        neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
+        each slot's CDI spec is kept (agent.cdi), None for no specs."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -171,6 +176,7 @@ class SlotManager:
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
+        self._cdi = cdi
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -395,6 +401,7 @@ class SlotManager:
             with contextlib.suppress(NodeAgentError):
                 self._isolation.release(slot.id)
             raise
+        self._write_cdi(ready, worker)
         return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
@@ -415,6 +422,8 @@ class SlotManager:
         if slot.holding and slot.assignment is not None:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
+        if self._cdi is not None:
+            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
         failed = dataclasses.replace(slot, state=SlotState.FAILED, reason=reason, applied=None)
         self._store.update_slot(failed)
         self._store.add_event("failed", f"slot {slot.name!r}: {reason}", slot.id)
@@ -457,6 +466,7 @@ class SlotManager:
                     "resized slot's kernel state not stored", extra={"slot": slot.id, "reason": str(err)}
                 )
             self._store.add_event("resize", f"slot {slot.name!r} now {_describe(new)}", slot.id)
+            self._write_cdi(resized)
         self._notify()
         return self._view(resized)
 
@@ -478,6 +488,8 @@ class SlotManager:
 
     def _finish_release(self, slot: Slot) -> None:
         self._isolation.release(slot.id)
+        if self._cdi is not None:
+            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
@@ -519,6 +531,7 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
             self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            self._write_cdi(slot, body)  # the worker's env may override the slot's wiring
             self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
@@ -620,6 +633,7 @@ class SlotManager:
                 report.orphans_removed += self._isolation.remove_orphans(keep)
             for slot in self._store.list_slots():
                 self._reconcile_slot(slot, report)
+            self._reconcile_cdi(report)
             for slot in self._store.list_slots():
                 self._reconcile_worker(slot, report)
             report.seconds = time.monotonic() - began
@@ -720,6 +734,44 @@ class SlotManager:
             report.workers_started.append(slot.name)
         self._loop.add(slot.id, supervisor)
         self._record_status(slot.id, supervisor.status())
+
+    def _reconcile_cdi(self, report: ReconcileReport) -> None:
+        """No spec of a slot the agent does not hold survives a start; every held one is written
+        again (its devices or the agent's rules may have changed while it was down)."""
+        if self._cdi is None:
+            return
+        slots = [s for s in self._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
+        try:
+            report.cdi_removed = self._cdi.remove_stale(s.id for s in slots)
+        except (NodeAgentError, OSError) as err:
+            log.warning("stale CDI specs not removed", extra={"reason": str(err)})
+        for slot in slots:
+            self._write_cdi(slot)
+        try_cdi("written", "-", self._cdi.write_device_specs, self._topology)
+
+    def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
+        if self._cdi is None or slot.assignment is None:
+            return
+        if worker is None:
+            stored = self._store.get_worker(slot.id)
+            worker = stored.spec if stored is not None else slot.request.worker
+        env = dict(worker.env) if worker is not None else {}
+        try_cdi("written", slot.id, self._cdi.write, slot, self._topology, self._shared_pool(), env)
+
+    def cdi_spec(self, slot_id: str) -> dict[str, Any]:
+        """The slot's CDI spec as written (``nodeagent slots cdi NAME``)."""
+        slot = self._slot(slot_id)
+        if self._cdi is None:
+            raise Unsupported(
+                "this agent writes no CDI specs ([cdi] enabled = false, or slots are not isolated here)"
+            )
+        spec = self._cdi.read(slot.id)
+        if spec is None:
+            raise NotFound(
+                f"slot {slot.name!r} has no CDI spec in {self._cdi.specs.directory} (it is {slot.state}; "
+                "specs exist for ready and running slots)"
+            )
+        return spec
 
     # ------------------------------------------------------------------ helpers
 
