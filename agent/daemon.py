@@ -48,6 +48,7 @@ from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
 from nodeagent.placement import placement_index
+from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.workers import KeeperRuntime
 
@@ -275,6 +276,7 @@ def build_manager(
             config.state_dir / "workers",
             host if isinstance(isolation, KernelIsolation) else None,
             KeeperClient(config.state_dir / "keeper"),
+            podman_config(config, host),
         ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,
@@ -285,6 +287,12 @@ def build_manager(
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),
         cdi=build_cdi(config, can_isolate=isolation.isolates),
     )
+
+
+def podman_config(config: AgentConfig, host: CgroupHost) -> PodmanConfig:
+    """How container workers call podman ([containers]; runtime/container.py)."""
+    runtime = config.containers.runtime or default_runtime(host.mode != "v2")
+    return PodmanConfig(podman=config.containers.podman, runtime=runtime)
 
 
 def build_cdi(config: AgentConfig, *, can_isolate: bool) -> SlotCdiSpecs | None:

@@ -62,7 +62,13 @@ from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_h
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
-from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description, slot_from_kernel
+from nodeagent.agent.translate import (
+    assignment_of,
+    isolation_spec,
+    runs_containers,
+    slot_description,
+    slot_from_kernel,
+)
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -522,6 +528,12 @@ class SlotManager:
                 self._sandbox.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
+            if body.container is not None and not runs_containers(slot):
+                raise Conflict(
+                    f"slot {slot.name!r} was allocated without a container worker, so its device cgroup "
+                    "does not admit a container runtime below it; allocate a slot whose request has "
+                    "worker.container"
+                )
             self._store.check_space()
             current = self._loop.get(slot.id)
             if current is not None and current.phase in ALIVE_PHASES:
