@@ -72,7 +72,12 @@ def device_rules(
         access[rule.key] = access.get(rule.key, "") + rule.access
     for node in nodes:
         access.setdefault((node.type, node.major, node.minor), SLOT_ACCESS)
-    return tuple(sorted(DeviceRule(*key, "".join(set(a))) for key, a in access.items()))
+    return tuple(sorted((DeviceRule(*key, "".join(set(a))) for key, a in access.items()), key=_order))
+
+
+def _order(rule: DeviceRule) -> tuple[str, int, int]:
+    """Sorted by type and numbers, '*' (None) first."""
+    return (rule.type, -1 if rule.major is None else rule.major, -1 if rule.minor is None else rule.minor)
 
 
 def resolve_device_nodes(
