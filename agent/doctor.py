@@ -73,6 +73,37 @@ def _default_sandbox_probe() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class PodmanFacts:
+    """What ``podman info`` says about the host's container engine."""
+
+    version: str
+    runtime: str
+    runtime_version: str
+    cgroup_manager: str
+
+
+def _default_podman_probe(podman: str) -> PodmanFacts:
+    """``podman info`` (about 0.1-0.3 s); raises OSError or ValueError when podman cannot answer."""
+    import json  # noqa: PLC0415 - only here
+    import subprocess  # noqa: PLC0415 - only here
+
+    done = subprocess.run(
+        [podman, "info", "--format", "json"], capture_output=True, text=True, timeout=30, check=False
+    )
+    if done.returncode != 0:
+        raise ValueError(done.stderr.strip() or f"podman info exited with {done.returncode}")
+    info = json.loads(done.stdout)
+    host = info.get("host", {})
+    runtime = host.get("ociRuntime", {})
+    return PodmanFacts(
+        version=str(info.get("version", {}).get("Version", "?")),
+        runtime=str(runtime.get("name", "?")),
+        runtime_version=str(runtime.get("version", "?")).splitlines()[0] if runtime.get("version") else "?",
+        cgroup_manager=str(host.get("cgroupManager", "?")),
+    )
+
+
+@dataclass(frozen=True)
 class HostRoots:
     """Where the host's interfaces are, plus the probes that go beyond reading files."""
 
@@ -84,6 +115,7 @@ class HostRoots:
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
     firewall_probe: Callable[[], str | None] = _default_firewall_probe
     sandbox_probe: Callable[[], dict[str, str]] = _default_sandbox_probe
+    podman_probe: Callable[[str], PodmanFacts] = _default_podman_probe
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
@@ -301,6 +333,51 @@ def check_sandbox(roots: HostRoots) -> Check:
             "then workers that need a missing piece are refused, or set [sandbox] enabled = false (unsafe)",
         )
     return Check(name, "OK", f"tried live: {detail}")
+
+
+def check_containers(roots: HostRoots, host: CgroupHost | None) -> Check:
+    """Container workers (worker.container) need podman, an OCI runtime that takes this host's
+    cgroups (runc on v1/hybrid: crun refuses hybrid), a static init for --init, and root."""
+    name = "container workers"
+    podman = roots.which("podman")
+    if podman is None:
+        return Check(
+            name,
+            "WARN",
+            "podman is not installed: a container worker fails at launch",
+            "apt-get install podman runc catatonit (command workers are not affected)",
+        )
+    try:
+        facts = roots.podman_probe(podman)
+    except (OSError, ValueError) as err:
+        return Check(name, "WARN", f"{podman} does not answer: {err}", "run `podman info` as root and fix it")
+    hybrid = host is not None and host.mode != "v2"
+    needs = "runc" if hybrid else facts.runtime
+    detail = (
+        f"podman {facts.version}, runtime {needs} (podman's default {facts.runtime} {facts.runtime_version})"
+    )
+    if hybrid and roots.which("runc") is None:
+        return Check(
+            name,
+            "WARN",
+            f"{detail}: no runc, and crun refuses this cgroup v1/hybrid host",
+            "apt-get install runc",
+        )
+    if roots.euid != 0:
+        return Check(
+            name,
+            "WARN",
+            f"{detail}; not root: container workers need a rootful podman",
+            "run the agent as root",
+        )
+    if roots.which("catatonit") is None and not (roots.fs / "usr/libexec/podman/catatonit").exists():
+        return Check(
+            name,
+            "WARN",
+            f"{detail}; no catatonit: containers run without an init as PID 1",
+            "apt-get install catatonit",
+        )
+    return Check(name, "OK", detail)
 
 
 def _effective_caps(roots: HostRoots) -> int:
@@ -536,7 +613,7 @@ def check_host_partitioning(node: Mapping[str, Any]) -> Check:
             name,
             "WARN",
             "off: every process, kernel thread and interrupt may still run on exclusive CPUs",
-            "set [isolation] host_partitioning = \"auto\"",
+            'set [isolation] host_partitioning = "auto"',
         )
     last = status.get("last") if isinstance(status.get("last"), Mapping) else None
     error = status.get("error")
@@ -676,6 +753,8 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
     checks.append(_guarded("network namespaces", lambda: check_network_namespaces(roots)))
     checks.append(_guarded("network firewall", lambda: check_network_firewall(roots)))
     checks.append(_guarded("worker sandbox", lambda: check_sandbox(roots)))
+    cgroups = None if isinstance(host, Check) else host
+    checks.append(_guarded("container workers", lambda: check_containers(roots, cgroups)))
     try:
         checks += check_gpus(roots)
     except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing

@@ -178,3 +178,17 @@ def test_podman_config_finds_its_binary(tmp_path: Path) -> None:
     exe = fake_podman(tmp_path, 0)
     assert PodmanConfig(podman=exe).binary() == exe
     assert os.path.basename(PodmanConfig(podman=exe).global_args()[0]) == "--cgroup-manager=cgroupfs"
+
+
+def test_v1_oom_kills_below_the_slot_count_for_the_slot(tmp_path: Path) -> None:
+    from nodeagent.runtime.process import read_oom_kills
+
+    slot = tmp_path / "slot"
+    (slot / "libpod-abc").mkdir(parents=True)
+    (slot / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    (slot / "libpod-abc" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    assert read_oom_kills(str(slot / "memory.oom_control")) == 3
+    # v2's memory.events counts its descendants already: read as it is.
+    (slot / "memory.events").write_text("oom 1\noom_kill 4\n")
+    (slot / "libpod-abc" / "memory.events").write_text("oom 1\noom_kill 4\n")
+    assert read_oom_kills(str(slot / "memory.events")) == 4
