@@ -103,13 +103,19 @@ def wait_for_phase(client: httpx.Client, name: str, *phases: str, timeout: float
 
 
 def container_pid(slot_id: str) -> int:
-    done = subprocess.run(
-        ["podman", "inspect", "--format", "{{.State.Pid}}", container_name(slot_id)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout.strip())
+    """The container's main process (its init), once podman has started it."""
+
+    def started() -> int:
+        done = subprocess.run(
+            ["podman", "inspect", "--format", "{{.State.Pid}}", container_name(slot_id)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else 0
+
+    found: int = wait_until(f"container {container_name(slot_id)} to run", started, 30)
+    return found
 
 
 def cgroups_of(pid: int) -> dict[str, str]:
@@ -256,4 +262,30 @@ def test_a_missing_image_fails_the_worker_at_once(daemon: DaemonProcess) -> None
     assert worker["restarts"] == 0
     assert "is not in this host's local storage" in worker["message"]
     assert client.delete("/v1/slots/noimage").status_code == 204
+    client.close()
+
+
+def test_a_shared_container_slot_follows_the_pool_when_it_shrinks(daemon: DaemonProcess, image: str) -> None:
+    # runc copies the slot's CPUs into the container's cpuset; v1 refuses to cut the slot's below
+    # that (EBUSY), so an exclusive slot allocated next would fail unless the container follows.
+    client = daemon.start()
+    request = {
+        "name": "shared",
+        "qos": "burstable",
+        "resources": {"cpus": 0.5, "memory": "256Mi"},
+        "worker": {"container": {"image": image, "command": ["/bin/sleep", "3600"]}},
+    }
+    assert client.post("/v1/slots", json=request).status_code == 201
+    slot_id = wait_for_phase(client, "shared", "running")["id"]
+    pid = container_pid(slot_id)  # its cgroups exist below the slot's now
+    guaranteed = {"name": "exclusive", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
+    created = client.post("/v1/slots", json=guaranteed)
+    assert created.status_code == 201, created.text
+    taken = set(created.json()["assignment"]["cpus"])
+    assert taken
+    status = Path(f"/proc/{pid}/status").read_text()
+    allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+    assert not {int(c) for c in allowed.replace("-", ",").split(",")} & taken
+    for name in ("exclusive", "shared"):
+        assert client.delete(f"/v1/slots/{name}").status_code == 204
     client.close()
