@@ -65,6 +65,8 @@ class PodmanConfig:
     #: the OCI runtime; "" lets podman choose
     runtime: str = ""
     cgroup_manager: str = "cgroupfs"
+    #: why container workers cannot run on this host ("" when they can): said at every launch
+    unsupported: str = ""
 
     def binary(self) -> str | None:
         if self.podman:
@@ -198,6 +200,8 @@ class ContainerLauncher:
         self._image = image
 
     def launch(self, req: LaunchRequest) -> WorkerHandle:
+        if self._config.unsupported:
+            raise WorkerError(f"container worker: {self._config.unsupported}")
         if self._podman is None:
             where = self._config.podman or "podman on PATH"
             raise WorkerError(

@@ -192,3 +192,11 @@ def test_v1_oom_kills_below_the_slot_count_for_the_slot(tmp_path: Path) -> None:
     (slot / "memory.events").write_text("oom 1\noom_kill 4\n")
     (slot / "libpod-abc" / "memory.events").write_text("oom 1\noom_kill 4\n")
     assert read_oom_kills(str(slot / "memory.events")) == 4
+
+
+def test_a_host_that_cannot_run_containers_says_why_at_launch() -> None:
+    keeper = RecordingKeeper()
+    config = PodmanConfig(unsupported="not supported on a pure cgroup v2 host yet")
+    with pytest.raises(WorkerError, match="container worker: not supported on a pure cgroup v2 host yet"):
+        ContainerLauncher(keeper, "/usr/bin/podman", config, "localhost/x:1").launch(REQ)
+    assert keeper.launched == []
