@@ -144,8 +144,8 @@ def run_argv(
     limits.update(spec.rlimits)
     argv += [f"--ulimit={name}={_limit(lo)}:{_limit(hi)}" for name, (lo, hi) in sorted(limits.items())]
     argv.append(f"--umask={spec.umask:04o}")
-    if container.read_only:
-        argv.append("--read-only")
+    if container.read_only or (sandbox is not None and sandbox.read_only_root):
+        argv.append("--read-only")  # a root worker's sandbox always has a read-only root
     for mount in container.mounts:
         options = "ro" if mount.read_only else "rw"
         argv.append(f"--volume={mount.source}:{mount.target}:{options}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import logging
 import select
 import shutil
 import signal
@@ -52,6 +53,8 @@ from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, SlotCgroup, Supervisor, WorkerHandle
 from nodeagent.schema.worker import Probe, WorkerSpec
+
+log = logging.getLogger("nodeagent.runtime")
 
 #: In a slot's worker directory: the slot's worker is (or was) a container.
 CONTAINER_MARKER = "container"
@@ -318,7 +321,12 @@ class KeeperRuntime:
             # still in podman's store.
             podman = self._podman.binary()
             if podman is not None:
-                remove_container(podman, self._podman, slot_id)
+                try:
+                    remove_container(podman, self._podman, slot_id)
+                except WorkerError as err:
+                    # The slot is gone already; a container left in podman's store holds nothing of
+                    # it (its cgroups went with the slot's) and --replace takes its name next time.
+                    log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
         shutil.rmtree(self._dir / slot_id, ignore_errors=True)
 
     def close(self) -> None:

@@ -153,3 +153,29 @@ def test_without_cdi_the_spec_is_unsupported(make: Any) -> None:
     slot = manager.allocate(parse_slot_request(guaranteed("web"))).slot
     with pytest.raises(Unsupported, match=r"\[cdi\]"):
         manager.cdi_spec(slot.id)
+
+
+def test_a_container_worker_needs_a_slot_allocated_with_one(make: Any) -> None:
+    from nodeagent.errors import Conflict
+
+    manager = make()
+    slot = manager.allocate(parse_slot_request(guaranteed("plain"))).slot
+    with pytest.raises(Conflict, match="allocated without a container worker"):
+        manager.start_worker(slot.id, parse_worker_spec({"container": {"image": "localhost/x:1"}}))
+
+
+def test_device_specs_for_the_hosts_gpus_and_fpgas(tmp_path: Path) -> None:
+    topology = synthetic_topology(sockets=1, numa_per_socket=1, gpus_per_numa=2, fpgas_per_numa=1)
+    cdi = SlotCdiSpecs(CdiSpecDir(tmp_path / "cdi"), tmp_path / "files", device_specs=True)
+    written = sorted(p.name for p in cdi.write_device_specs(topology))
+    assert written == ["nodeagent-slot-fpga.json", "nodeagent-slot-gpu.json"]
+    gpu = cdi.specs.read("gpu")
+    assert gpu is not None
+    jsonschema.validate(gpu, cdi_schema(gpu["cdiVersion"]))
+    assert gpu["kind"] == "nodeagent.io/gpu"
+    names = [d["name"] for d in gpu["devices"]]
+    assert {"0", "1"} <= set(names)
+    # Kept at start-up beside the slots' specs; without GPUs the file goes.
+    assert cdi.remove_stale(set()) == []
+    assert cdi.write_device_specs(synthetic_topology(sockets=1, numa_per_socket=1)) == []
+    assert cdi.specs.keys() == set()

@@ -19,7 +19,7 @@ from nodeagent.runtime.container import (
     run_argv,
 )
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.sandbox.spec import SandboxSpec
+from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SandboxSpec
 from nodeagent.runtime.supervisor import WorkerHandle
 from nodeagent.schema.worker import WorkerSpec, parse_worker_spec
 
@@ -200,3 +200,19 @@ def test_a_host_that_cannot_run_containers_says_why_at_launch() -> None:
     with pytest.raises(WorkerError, match="container worker: not supported on a pure cgroup v2 host yet"):
         ContainerLauncher(keeper, "/usr/bin/podman", config, "localhost/x:1").launch(REQ)
     assert keeper.launched == []
+
+
+def test_a_root_sandbox_keeps_its_read_only_root_in_a_container() -> None:
+    spec = parse_worker_spec({"container": {"image": "busybox"}})
+    root = SandboxSpec(
+        uid=0,
+        gid=0,
+        capabilities=("CHOWN",),
+        read_only_root=True,
+        namespaces=(*DEFAULT_NAMESPACES, "pid"),
+        init="/usr/bin/dumb-init",
+    )
+    line = argv(spec, sandbox=root)
+    assert "--read-only" in line
+    assert "--user=0:0" in line
+    assert "--cap-add=CHOWN" in line
