@@ -165,6 +165,17 @@ class SlotModel(BaseModel):
             "interrupts. Null where it cannot be measured."
         ),
     )
+    qos_actions: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Recent actions of the QoS loop on this slot, newest last (at most 20): action "
+        "(cpu_suppress, cpu_release, slot_cpu_quota, memory_throttle, memory_unthrottle, evict, restore), "
+        "reason, at (unix time), seq, and the values written (cpus, quota_cpus, memory_high, memory_bytes).",
+    )
+    qos_evicted: bool = Field(
+        default=False,
+        description="Its worker is stopped by the QoS loop (memory pressure) and starts again once memory "
+        "is calm.",
+    )
 
 
 class SlotListModel(BaseModel):

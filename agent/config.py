@@ -29,12 +29,16 @@ from nodeagent.cpulist import parse_cpulist
 from nodeagent.defaults import DEFAULT_LISTEN, TOKEN_FILE_NAME, default_state_dir
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.cdi import DEFAULT_CDI_DIR, DEFAULT_PREFIX
+from nodeagent.isolation.colocation import ColocationConfig
 from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ON_AGENT_STOP = ("keep", "stop")
+DELEGATION_MODES = ("auto", "off")
+BEST_EFFORT_ADMISSION = ("allocatable", "batch")
 
 
 # =========================================================================== sections
@@ -126,6 +130,44 @@ class WorkersConfig:
     #: the longest the supervision loop sleeps (exits wake it at once, probes when due); also the
     #: poll interval for a worker without a pidfd
     tick_seconds: float = 0.5
+    #: what ``systemctl stop nodeagent`` (a stop, not a restart or a crash) does to running workers:
+    #: "keep" leaves them running and the next agent re-adopts them; "stop" stops each one gracefully
+    #: before the agent exits (slots and their cgroups stay) and the next agent starts them again
+    on_agent_stop: str = "keep"
+
+
+@dataclass(frozen=True)
+class SystemdConfig:
+    #: "auto": where systemd is the service manager, create cgroups only in the subtree a unit
+    #: delegates to the agent (docs/systemd.md); "off": use [isolation] cgroup_parent as on hosts
+    #: without systemd (systemd may undo what the agent does there)
+    delegation: str = "auto"
+    #: the delegated service that holds slots, workers and the keeper when the agent's own unit does not
+    slots_unit: str = "nodeagent-slots.service"
+
+
+@dataclass(frozen=True)
+class QosConfig:
+    """The QoS loop (agent/qos.py, docs/colocation.md): best-effort work in what online slots leave."""
+
+    enabled: bool = True
+    period_seconds: float = 1.0
+    cpu_margin: float = 0.1  #: share of the shared pool kept free above online use
+    cpu_release_periods: int = 3  #: online use is the peak of this many periods: cut now, give back later
+    cpu_pressure_threshold: float = 0.1  #: online CPU stall share (PSI, cgroup v2) that suppresses fully
+    io_pressure_threshold: float = 0.2
+    suppressed_cpus: float = 0.01  #: the least CPU quota best-effort keeps
+    smt_busy_threshold: float = 0.1  #: a CPU this busy with online work keeps best-effort off its siblings
+    memory_throttle_percent: float = 80.0
+    memory_evict_percent: float = 90.0
+    memory_evict_target_percent: float = 85.0
+    memory_pressure_threshold: float = 0.1  #: online memory stall share that evicts
+    restore_after_seconds: float = 60.0
+    evict_grace_seconds: float = 5.0  #: after SIGTERM, how long an evicted worker has before it is killed
+    batch_window_seconds: float = 300.0
+    best_effort_admission: str = "allocatable"  #: or "batch": bound best-effort allocations by batch
+    best_effort_l3_share: float = 0.1  #: best-effort's share of the L3 cache where resctrl exists
+    best_effort_mb_percent: int = 20  #: best-effort's memory bandwidth percentage where MBA exists
 
 
 @dataclass(frozen=True)
@@ -162,6 +204,8 @@ class AgentConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    systemd: SystemdConfig = field(default_factory=SystemdConfig)
+    qos: QosConfig = field(default_factory=QosConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
@@ -180,6 +224,25 @@ class AgentConfig:
     @property
     def database_path(self) -> Path:
         return self.state_dir / "state.db"
+
+    def colocation(self) -> ColocationConfig:
+        """The QoS loop's thresholds; ConfigError naming the [qos] key that is out of range."""
+        q = self.qos
+        return ColocationConfig(
+            period_seconds=q.period_seconds,
+            cpu_margin=q.cpu_margin,
+            cpu_release_periods=q.cpu_release_periods,
+            cpu_pressure_threshold=q.cpu_pressure_threshold,
+            io_pressure_threshold=q.io_pressure_threshold,
+            min_cpus=q.suppressed_cpus,
+            smt_busy_threshold=q.smt_busy_threshold,
+            memory_throttle_percent=q.memory_throttle_percent,
+            memory_evict_percent=q.memory_evict_percent,
+            memory_evict_target_percent=q.memory_evict_target_percent,
+            memory_pressure_threshold=q.memory_pressure_threshold,
+            restore_after_seconds=q.restore_after_seconds,
+            batch_window_seconds=q.batch_window_seconds,
+        )
 
     def placement_options(self) -> PlacementOptions:
         p = self.placement
@@ -206,6 +269,8 @@ _SECTIONS: dict[str, type[Any]] = {
     "controller": ControllerConfig,
     "gpu": GpuConfig,
     "workers": WorkersConfig,
+    "systemd": SystemdConfig,
+    "qos": QosConfig,
     "log": LogConfig,
     "sandbox": SandboxConfig,
     "cdi": CdiConfig,
@@ -296,6 +361,21 @@ def _validate(config: AgentConfig) -> None:
         ),
         ("log.level", config.log.level in LOG_LEVELS, "one of " + ", ".join(LOG_LEVELS)),
         (
+            "workers.on_agent_stop",
+            config.workers.on_agent_stop in ON_AGENT_STOP,
+            '"keep" (workers outlive the agent) or "stop" (the agent stops them when it is stopped)',
+        ),
+        (
+            "systemd.delegation",
+            config.systemd.delegation in DELEGATION_MODES,
+            '"auto" (use the cgroup systemd delegates) or "off" (use [isolation] cgroup_parent)',
+        ),
+        (
+            "systemd.slots_unit",
+            config.systemd.slots_unit.endswith(".service") and "/" not in config.systemd.slots_unit,
+            'a service unit name such as "nodeagent-slots.service"',
+        ),
+        (
             "controller.url",
             config.controller.url == "" or config.controller.url.startswith(("http://", "https://")),
             "an http:// or https:// URL, or an empty string",
@@ -339,6 +419,29 @@ def _validate(config: AgentConfig) -> None:
         config.sandbox.check()  # its messages name the key (sandbox.uid_range)
     except ConfigError as err:
         raise ConfigError(f"{src}: {err}" if src else str(err)) from None
+    _check_qos(config)
+
+
+def _check_qos(config: AgentConfig) -> None:
+    q, src = config.qos, config.source
+    try:
+        config.colocation()
+    except ConfigError as err:
+        # The thresholds' own messages name the key (qos.<name>); say which file too.
+        raise ConfigError(f"{src}: {err}" if src else str(err)) from None
+    checks: list[tuple[str, bool, str]] = [
+        ("qos.evict_grace_seconds", 0 <= q.evict_grace_seconds <= 300, "seconds in [0, 300]"),
+        (
+            "qos.best_effort_admission",
+            q.best_effort_admission in BEST_EFFORT_ADMISSION,
+            " or ".join(repr(a) for a in BEST_EFFORT_ADMISSION),
+        ),
+        ("qos.best_effort_l3_share", 0 < q.best_effort_l3_share < 1, "a fraction of the cache in (0, 1)"),
+        ("qos.best_effort_mb_percent", 1 <= q.best_effort_mb_percent <= 100, "a percentage in [1, 100]"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{_where(src, key)} is {getattr(q, key.split('.')[1])!r}; expected {expected}")
 
 
 def _check_placement(config: AgentConfig) -> None:
@@ -434,9 +537,27 @@ def load_config(path: Path | None = None) -> AgentConfig:
 
 
 def apply_overrides(
-    config: AgentConfig, *, listen: str | None = None, state_dir: Path | None = None
+    config: AgentConfig,
+    *,
+    listen: str | None = None,
+    state_dir: Path | None = None,
+    on_agent_stop: str | None = None,
+    systemd_delegation: str | None = None,
 ) -> AgentConfig:
-    """The command line wins over the file: ``--listen HOST:PORT`` and ``--state-dir DIR``."""
+    """The command line wins over the file: ``--listen HOST:PORT``, ``--state-dir DIR``,
+    ``--on-agent-stop keep|stop`` and ``--systemd-delegation auto|off``."""
+    if on_agent_stop is not None:
+        if on_agent_stop not in ON_AGENT_STOP:
+            expected = ", ".join(ON_AGENT_STOP)
+            raise ConfigError(f"--on-agent-stop is {on_agent_stop!r}; expected one of {expected}")
+        workers = dataclasses.replace(config.workers, on_agent_stop=on_agent_stop)
+        config = dataclasses.replace(config, workers=workers)
+    if systemd_delegation is not None:
+        if systemd_delegation not in DELEGATION_MODES:
+            expected = ", ".join(DELEGATION_MODES)
+            raise ConfigError(f"--systemd-delegation is {systemd_delegation!r}; expected one of {expected}")
+        systemd = dataclasses.replace(config.systemd, delegation=systemd_delegation)
+        config = dataclasses.replace(config, systemd=systemd)
     if listen is not None:
         try:
             parse_listen(listen)
@@ -460,7 +581,9 @@ __all__ = [
     "IsolationConfig",
     "LogConfig",
     "PlacementConfig",
+    "QosConfig",
     "StateConfig",
+    "SystemdConfig",
     "WorkersConfig",
     "apply_overrides",
     "default_state_dir",

@@ -3,11 +3,13 @@
 Order of start-up: configuration -> state directory (0700) and API token (0600) -> topology ->
 slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/or a unix socket)
 -> ``READY=1`` to systemd once the sockets listen, then ``WATCHDOG=1`` pings when systemd asked
-for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but never the workers: they
+for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but not the workers: they
 are the host keeper's children (runtime/keeper.py, which outlives the agent too), and the next
-start re-attaches to the keeper and re-adopts them.
+start re-attaches to the keeper and re-adopts them (unless this is a stop, not a restart, and
+``[workers] on_agent_stop = "stop"``: agent/systemd.py).
 
-Logs are JSON lines on stdout (journald keeps them as they are).
+Logs go to the journal as structured entries when systemd connected stdout to it (agent/journal.py),
+else as JSON lines on stdout. Under systemd, cgroups go where a unit delegates them (agent/systemd.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,20 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.config import AgentConfig
+from nodeagent.agent.journal import journal_handler
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.state import StateStore
+from nodeagent.agent.systemd import (
+    CgroupLayout,
+    cgroup_layout,
+    check_slot_cgroups,
+    stop_requested,
+    stop_workers_with_agent,
+    take_stopped_workers,
+)
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
@@ -54,6 +65,7 @@ from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
+    from nodeagent.agent.qos import QosLoop
     from nodeagent.agent.reporter import Reporter
 
 log = logging.getLogger("nodeagent.daemon")
@@ -80,8 +92,11 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(JsonFormatter())
+    # systemd: the journal's native protocol when stdout is the journal stream (agent/journal.py).
+    handler: logging.Handler | None = journal_handler()
+    if handler is None:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -171,8 +186,18 @@ def ensure_token(path: Path) -> str:
 # =========================================================================== assembly
 
 
-def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -> IsolationBackend:
-    """The isolator when this host lets us create cgroups; else the unisolated stand-in, with why."""
+def build_isolation(
+    config: AgentConfig, topology: Topology, host: CgroupHost, layout: CgroupLayout | None = None
+) -> IsolationBackend:
+    """The isolator when this host lets us create cgroups; else the unisolated stand-in, with why.
+
+    ``layout`` (systemd: agent/systemd.py) says where slots go; without it, ``[isolation] cgroup_parent``.
+    """
+    # systemd: slots go below the delegated cgroup, or nowhere when systemd delegates none.
+    if layout is not None and layout.refused is not None:
+        return NoIsolation([layout.refused], host.mode)
+    if layout is not None:
+        host = layout.host
     if not host.can_write or os.geteuid() != 0:
         reason = (
             f"not running as root (cgroups {host.mode}): no cgroup, cpuset, device or network isolation"
@@ -186,7 +211,7 @@ def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -
         reserved = placement_index(topology).default_reserved()
     iso = config.isolation
     isolation = IsolationConfig(
-        cgroup_parent=iso.cgroup_parent,
+        cgroup_parent=iso.cgroup_parent if layout is None else layout.parent,
         reserved_cpus=reserved,
         network=SlotNetworkConfig(
             cidr=iso.network_cidr,
@@ -194,7 +219,7 @@ def build_isolation(config: AgentConfig, topology: Topology, host: CgroupHost) -
             veth_prefix=iso.veth_prefix,
             nft_table=iso.firewall_table,
         ),
-        qos=QosDefaults(pids_max=iso.pids_max),
+        qos=QosDefaults(pids_max=iso.pids_max, suppressed_cpus=config.qos.suppressed_cpus),
         allow_unfiltered_network=iso.allow_unfiltered_network,
     )
     # The isolator takes its CPU layout from the topology discovered at start-up: sysfs is read once.
@@ -262,20 +287,35 @@ def restore_host(config: AgentConfig) -> HostReport:
 
 
 def build_manager(
-    config: AgentConfig, topology: Topology | None = None, *, recovery: RecoveryMode = RecoveryMode.REFUSE
+    config: AgentConfig,
+    topology: Topology | None = None,
+    *,
+    recovery: RecoveryMode = RecoveryMode.REFUSE,
+    layout: CgroupLayout | None = None,
 ) -> SlotManager:
-    """Everything the manager needs, from the configuration (the state directory must exist)."""
+    """Everything the manager needs, from the configuration (the state directory must exist).
+
+    ``layout``: where cgroups and the agent's helpers go (``cgroup_layout``); without it, slots go
+    under ``[isolation] cgroup_parent`` and helpers stay where they start.
+    """
     topo = topology or discover()
-    host = detect()
-    isolation = build_isolation(config, topo, host)
+    host = detect() if layout is None else layout.host
+    isolation = build_isolation(config, topo, host, layout)
+    store = StateStore(config.database_path, manifests=Manifests(config.state_dir / "slots"))
+    if isinstance(isolation, KernelIsolation) and layout is not None:
+        try:
+            check_slot_cgroups(store, layout.parent)  # systemd: slots made elsewhere are refused
+        except BaseException:
+            store.close()
+            raise
     return SlotManager(
-        StateStore(config.database_path, manifests=Manifests(config.state_dir / "slots")),
+        store,
         topo,
         isolation,
         KeeperRuntime(
             config.state_dir / "workers",
             host if isinstance(isolation, KernelIsolation) else None,
-            KeeperClient(config.state_dir / "keeper"),
+            KeeperClient(config.state_dir / "keeper", placement=None if layout is None else layout.placement),
             podman_config(config, host),
         ),
         options=config.placement_options(),
@@ -369,6 +409,19 @@ def _reporter(
     )
 
 
+def _qos_loop(config: AgentConfig, manager: SlotManager, metrics: Metrics) -> QosLoop | None:
+    """The QoS loop (best-effort in what online slots leave), started, when this agent isolates."""
+    from nodeagent.agent.qos import build_qos_loop  # noqa: PLC0415 - not on the CLI's import path
+
+    loop = build_qos_loop(config, manager)
+    if loop is None:
+        return None
+    manager.attach_qos(loop)
+    metrics.registry.register(loop.collector())
+    loop.start()
+    return loop
+
+
 def _listen_sockets(config: AgentConfig) -> list[socket.socket]:
     sockets: list[socket.socket] = []
     if config.api.listen:
@@ -403,9 +456,9 @@ def _listen_sockets(config: AgentConfig) -> list[socket.socket]:
 
 
 @contextlib.contextmanager
-def _terminate_cleanly() -> Iterator[list[int]]:
-    """Turn SIGTERM/SIGINT into a clean shutdown (uvicorn re-raises them after its own stop)."""
-    received: list[int] = []
+def _terminate_cleanly(received: list[int]) -> Iterator[list[int]]:
+    """Turn SIGTERM/SIGINT into a clean shutdown (uvicorn re-raises them after its own stop); the
+    signals that came are appended to ``received``."""
     previous = {
         sig: signal.signal(sig, lambda s, _f: received.append(s)) for sig in (signal.SIGTERM, signal.SIGINT)
     }
@@ -440,8 +493,10 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     reporter_token = controller_token(config)
     sockets = _listen_sockets(config)
     try:
-        manager = build_manager(config, recovery=recovery)
-        report = manager.start()
+        # systemd: where cgroups go, the agent moved into its leaf; workers stopped with the last agent.
+        layout = cgroup_layout(config, detect())
+        manager = build_manager(config, recovery=recovery, layout=layout)
+        report = manager.start(restart_workers=take_stopped_workers(config.state_dir))
     except BaseException:
         for sock in sockets:
             sock.close()
@@ -455,8 +510,10 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         },
     )
     metrics = Metrics(manager, stats_provider=_slot_stats(manager))
+    qos = _qos_loop(config, manager, metrics)
     reporter = _reporter(config, manager, metrics, reporter_token)
     watchdog = notify.Watchdog.from_environment()
+    received: list[int] = []
     try:
         if reporter is not None:
             reporter.start()
@@ -481,12 +538,19 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
                 )
             await task
 
-        with _terminate_cleanly():
+        with _terminate_cleanly(received):
             asyncio.run(run())
     finally:
-        notify.stopping("shutting down; workers keep running")
+        # systemd: a stop (not a restart, crash or systemctl kill) may take the workers with it.
+        signum = received[-1] if received else None
+        if config.workers.on_agent_stop == "stop" and stop_requested(layout.unit, signum):
+            stop_workers_with_agent(config.state_dir, manager)
+        else:
+            notify.stopping("shutting down; workers keep running")
         if watchdog is not None:
             watchdog.stop()
+        if qos is not None:
+            qos.stop()
         if reporter is not None:
             reporter.stop()
         manager.close()

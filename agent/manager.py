@@ -59,7 +59,7 @@ from nodeagent import __version__
 from nodeagent.agent.cdi import SlotCdiSpecs, try_cdi
 from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
-from nodeagent.agent.service import AllocateResult, NodeInfo
+from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
 from nodeagent.agent.translate import (
@@ -192,7 +192,18 @@ class SlotManager:
         self._host = host
         self._host_ready = False  # set once reconcile knows which exclusive CPUs the slots hold
         self._held = Allocated()
+        self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
+
+    @property
+    def isolation(self) -> IsolationBackend:
+        """The kernel side this manager drives (the QoS loop acts on the same isolator)."""
+        return self._isolation
+
+    def attach_qos(self, view: QosView | None) -> None:
+        """Let the QoS loop (agent.qos) add its view to slots and capacity and bound best-effort
+        admission; None detaches it."""
+        self._qos = view
 
     # ------------------------------------------------------------------ the ledger
 
@@ -213,11 +224,17 @@ class SlotManager:
 
     # ------------------------------------------------------------------ life cycle
 
-    def start(self, *, supervise: bool = True) -> ReconcileReport:
-        """Reconcile database and kernel, then (``supervise``) start the supervision thread."""
+    def start(
+        self, *, supervise: bool = True, restart_workers: frozenset[str] = frozenset()
+    ) -> ReconcileReport:
+        """Reconcile database and kernel, then (``supervise``) start the supervision thread.
+
+        ``restart_workers``: slots whose workers the previous agent stopped when it was stopped
+        (``[workers] on_agent_stop = "stop"``); each one that is meant to run is started again at once.
+        """
         if supervise:
             self._loop.open()
-        report = self.reconcile()
+        report = self.reconcile(restart_workers=restart_workers)
         if supervise:
             self._loop.start()
             if self._host is not None:
@@ -270,6 +287,8 @@ class SlotManager:
             }
             for g in self._topology.gpus
         ] + [{"kind": "fpga", "id": f.id, "healthy": f.healthy} for f in self._topology.fpgas]
+        qos = self._qos
+        body["batch"] = None if qos is None else qos.batch()
         return body
 
     def list_slots(self) -> list[Slot]:
@@ -334,6 +353,13 @@ class SlotManager:
                     return self._finish_allocate(existing, req)
                 else:
                     return AllocateResult(self._view(existing), created=False)
+            if self._qos is not None and req.qos == "best-effort":
+                held = self._ledger
+                self._qos.admit(
+                    req,
+                    held.quota_millis.get("best-effort", 0) / 1000,
+                    held.memory_by_qos.get("best-effort", 0),
+                )
             assignment = plan(self._topology, self._ledger, req, self._options, irq_load=self._irq_load())
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
@@ -508,6 +534,44 @@ class SlotManager:
         if self._host is not None:
             self._host.slot_released(slot.id)
 
+    def stop_workers(self, timeout: float) -> list[str]:
+        """Stop every running worker gracefully (SIGTERM, its grace, then its slot is killed) and wait
+        up to ``timeout`` seconds for all of them; returns their slot ids.
+
+        For an agent that is being stopped with ``[workers] on_agent_stop = "stop"``: desired states are
+        left as they are, slots and their cgroups stay, and ``start(restart_workers=...)`` of the next
+        agent brings the workers back.
+        """
+        with self._lock:
+            stopping = [(slot_id, sup) for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            for slot_id, supervisor in stopping:
+                supervisor.stop()
+                self._record_status(slot_id, supervisor.tick())
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                alive = [slot_id for slot_id, sup in stopping if sup.tick().phase in ALIVE_PHASES]
+                for slot_id, supervisor in stopping:
+                    self._record_status(slot_id, supervisor.status())
+            if not alive or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if alive:
+            log.warning("workers still stopping when the agent exits", extra={"slots": alive})
+        return [slot_id for slot_id, _ in stopping]
+
+    def running_worker_slots(self) -> list[str]:
+        """The slots whose worker is alive now (starting, running or stopping)."""
+        with self._lock:
+            return [slot_id for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+
+    def longest_stop_grace(self) -> float:
+        """The longest stop grace period of the workers that run now (how long ``stop_workers`` may take)."""
+        with self._lock:
+            alive = [sup for _, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            graces = [sup.spec.stop_grace_seconds for sup in alive]
+        return max(graces, default=0.0)
+
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
         """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
         supervisor.stop()
@@ -576,6 +640,44 @@ class SlotManager:
         self._notify()
         return self.get_slot(slot_id)
 
+    def evict_worker(self, slot_id: str, reason: str) -> bool:
+        """Stop a slot's worker for the QoS loop: its slot stays, and what the operator wants of the
+        worker (desired running) is unchanged, so the loop starts it again (restore_worker) when the
+        pressure is gone, and an agent restart starts it too. False when no worker is alive."""
+        with self._lock:
+            slot = self._slot(slot_id)
+            supervisor = self._loop.get(slot.id)
+            if supervisor is None or supervisor.phase not in ALIVE_PHASES:
+                return False
+            supervisor.stop()
+            self._record_status(slot.id, supervisor.tick())
+            self._loop.schedule(slot.id)
+            self._store.add_event(
+                "evict", f"worker of {slot.name!r} evicted by the QoS loop: {reason}", slot.id
+            )
+        self._notify()
+        return True
+
+    def restore_worker(self, slot_id: str, reason: str) -> bool:
+        """Start an evicted worker again. False when the slot is gone, its worker was stopped by the
+        operator meanwhile (desired stopped) or is already running."""
+        with self._lock:
+            slot = self._store.get_slot(slot_id)
+            supervisor = self._loop.get(slot_id)
+            worker = self._store.get_worker(slot_id)
+            if slot is None or supervisor is None or worker is None or worker.desired != "running":
+                return False
+            if supervisor.phase in ALIVE_PHASES:
+                return False
+            supervisor.start()
+            self._record_status(slot.id, supervisor.status())
+            self._loop.schedule(slot.id)
+            self._store.add_event(
+                "restore", f"worker of {slot.name!r} restored by the QoS loop: {reason}", slot.id
+            )
+        self._notify()
+        return True
+
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
         resolved = resolve(spec)
@@ -615,7 +717,7 @@ class SlotManager:
 
     # ------------------------------------------------------------------ reconcile
 
-    def reconcile(self) -> ReconcileReport:
+    def reconcile(self, *, restart_workers: frozenset[str] = frozenset()) -> ReconcileReport:
         """Bring database and kernel into agreement after a start (see the module docstring)."""
         began = time.monotonic()
         report = ReconcileReport()
@@ -647,7 +749,7 @@ class SlotManager:
                 self._reconcile_slot(slot, report)
             self._reconcile_cdi(report)
             for slot in self._store.list_slots():
-                self._reconcile_worker(slot, report)
+                self._reconcile_worker(slot, report, restart=slot.id in restart_workers)
             report.seconds = time.monotonic() - began
             self.report = report
             self._store.add_event("reconcile", report.summary())
@@ -725,7 +827,7 @@ class SlotManager:
             return False
         return slot.applied is None or not self._isolation.exists(slot.applied)
 
-    def _reconcile_worker(self, slot: Slot, report: ReconcileReport) -> None:
+    def _reconcile_worker(self, slot: Slot, report: ReconcileReport, *, restart: bool = False) -> None:
         worker = self._store.get_worker(slot.id)
         if worker is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
             return
@@ -742,6 +844,11 @@ class SlotManager:
         if found is not Readoption.NONE and worker.desired == "stopped":
             supervisor.stop()
         elif found is Readoption.NONE and worker.desired == "running":
+            supervisor.start()
+            report.workers_started.append(slot.name)
+        elif found is Readoption.EXITED and worker.desired == "running" and restart:
+            # Stopped by the last agent because it was stopped, not by its own doing or the user's:
+            # it comes back with the agent, whatever its restart policy says of an exit.
             supervisor.start()
             report.workers_started.append(slot.name)
         self._loop.add(slot.id, supervisor)
@@ -821,7 +928,18 @@ class SlotManager:
             if self._sandbox is not None and self._sandbox.active
             else None
         )
-        return dataclasses.replace(slot, worker=status, foreign_cpu=self._foreign_cpu(slot), sandbox_uid=uid)
+        foreign = self._foreign_cpu(slot)
+        if self._qos is None:
+            return dataclasses.replace(slot, worker=status, foreign_cpu=foreign, sandbox_uid=uid)
+        actions, evicted = self._qos.slot_view(slot.id)
+        return dataclasses.replace(
+            slot,
+            worker=status,
+            foreign_cpu=foreign,
+            sandbox_uid=uid,
+            qos_actions=actions,
+            qos_evicted=evicted,
+        )
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):

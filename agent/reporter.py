@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 REGISTER_SCHEMA = "nodeagent.register/v1"
 HEARTBEAT_SCHEMA = "nodeagent.heartbeat/v1"
+#: The QoS actions each slot summary carries (the newest; GET /v1/slots/{id} has more).
+SUMMARY_QOS_ACTIONS = 5
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,9 @@ def slot_summary(slot: Slot) -> dict[str, Any]:
         "fpgas": [] if a is None else list(a.fpgas),
         "worker_phase": None if slot.worker is None else str(slot.worker.phase),
         "reason": slot.reason,
+        # The QoS loop's recent actions (their "seq" grows, so repeats across heartbeats are seen).
+        "qos_actions": [dict(action) for action in slot.qos_actions[-SUMMARY_QOS_ACTIONS:]],
+        "qos_evicted": slot.qos_evicted,
     }
 
 

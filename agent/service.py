@@ -54,6 +54,23 @@ class NodeInfo:
         }
 
 
+class QosView(Protocol):
+    """What the QoS loop (agent.qos) adds to the service's answers, and its say in admission."""
+
+    def batch(self) -> dict[str, Any] | None:
+        """The batch capacity view for capacity(); None before the loop has measured."""
+        ...
+
+    def slot_view(self, slot_id: str) -> tuple[tuple[dict[str, Any], ...], bool]:
+        """The slot's recent QoS actions (newest last) and whether its worker is evicted."""
+        ...
+
+    def admit(self, request: SlotRequest, best_effort_cpus: float, best_effort_memory: int) -> None:
+        """Raise PlacementError when a best-effort ``request`` does not fit what may be resold now,
+        given what best-effort slots hold already (CPUs of quota, memory bytes)."""
+        ...
+
+
 class SlotService(Protocol):
     def node(self) -> NodeInfo: ...
 

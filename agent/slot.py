@@ -13,6 +13,7 @@ or ``failed`` with a reason (then it holds no resources and no kernel objects).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,6 +61,11 @@ class Slot:
     #: The slot's own uid for its sandboxed workers, once it has one; set on slots read through
     #: the service (the state store keeps it in a table of its own).
     sandbox_uid: int | None = None
+    #: Recent actions of the QoS loop on this slot (newest last), as published; set when read
+    #: through the service.
+    qos_actions: tuple[Mapping[str, Any], ...] = ()
+    #: Whether the QoS loop has its worker stopped (evicted) until memory is calm again.
+    qos_evicted: bool = False
 
     @property
     def qos(self) -> QoS:
@@ -97,6 +103,8 @@ class Slot:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "foreign_cpu": None if self.foreign_cpu is None else self.foreign_cpu.to_json(),
+            "qos_actions": [dict(action) for action in self.qos_actions],
+            "qos_evicted": self.qos_evicted,
         }
 
 

@@ -17,6 +17,15 @@ Public API (everything else is internal)::
     list_owned(host, layout) -> [relpath]          # slot groups under the parent (orphans after a crash)
     remove_subtree(host, relpath, timeout)         # kill + delete
 
+Under systemd (nodeagent.cgroups.systemd, nodeagent.cgroups.delegation)::
+
+    delegation, unit = discover()                  # the cgroup a unit delegates to the agent (systemctl show)
+    host = replace(host, delegation_root=delegation.root)   # managers never write at or above it
+    placement = ProcessPlacement(host, delegation) # where the agent's processes go: agent/, keeper/, pin/
+    prepare(placement)                             # processes out of the delegated cgroup, slots/ made
+    placement.command("keeper", argv)              # argv that starts inside <root>/keeper
+    layout = Hierarchy(parent=delegation.slots_parent)
+
 Every cgroupfs access goes through :mod:`nodeagent.cgroups.fs`, which keeps paths under the mount
 and raises :class:`~nodeagent.errors.CgroupError` (with ``errno``) quoting the file and value.
 Settings a host cannot honour raise :class:`~nodeagent.errors.Unsupported`.

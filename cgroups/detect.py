@@ -54,6 +54,11 @@ class CgroupHost:
     can_write: bool = False
     #: True when we are not root but own our v2 cgroup (a delegated subtree, e.g. systemd Delegate=).
     delegated: bool = False
+    #: Under systemd: the cgroup (relative path, the same in every hierarchy) that a unit delegates to
+    #: the agent. Nothing above it is ours to write, not even to enable controllers; None elsewhere.
+    delegation_root: str | None = None
+    #: Every mounted cgroup hierarchy (v1 controllers, named ones such as name=systemd, cgroup2).
+    all_mounts: tuple[Path, ...] = ()
 
     def mount_for(self, controller: str) -> Path:
         """The v1 hierarchy that carries ``controller``."""
@@ -131,6 +136,7 @@ def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> Cgroup
     enabled = None if proc_cgroups is None else parse_proc_cgroups(proc_cgroups)
     v1_mounts: dict[str, Path] = {}
     v2_mount: Path | None = None
+    all_mounts = tuple(dict.fromkeys(_under(fs_root, mount.mount_point) for mount in mounts))
     for mount in mounts:
         if mount.fstype == "cgroup2":
             v2_mount = v2_mount or _under(fs_root, mount.mount_point)
@@ -163,6 +169,7 @@ def detect(proc_root: Path = Path("/proc"), fs_root: Path = Path("/")) -> Cgroup
         own_v2_cgroup=own_v2,
         can_write=can_write,
         delegated=delegated,
+        all_mounts=all_mounts,
     )
 
 

@@ -29,9 +29,13 @@ class V2Manager(CgroupManager):
             raise Unsupported("this host has no cgroup2 mount; use the v1 manager")
         self._mount = host.v2_mount
         self._wanted = frozenset(V2_CONTROLLERS)
-        # On a delegated subtree, the levels above our own cgroup are not ours to configure.
+        # On a delegated subtree, the levels above it are not ours to configure: under systemd the
+        # unit's delegated cgroup (systemd enabled the controllers above it), for an unprivileged
+        # agent its own cgroup.
         self._configure_from = ""
-        if host.delegated and host.own_v2_cgroup:
+        if host.delegation_root is not None:
+            self._configure_from = host.delegation_root.strip("/")
+        elif host.delegated and host.own_v2_cgroup:
             self._configure_from = host.own_v2_cgroup.strip("/")
 
     def paths(self) -> dict[str, Path]:
@@ -60,8 +64,17 @@ class V2Manager(CgroupManager):
         parts = PurePosixPath(self.relpath).parts
         for depth in range(len(parts)):
             ancestor = "/".join(parts[:depth])
-            if depth:
+            if depth and _is_below(ancestor, self._configure_from):
                 fs.make_dir(self._mount, ancestor)
+            elif depth and not fs.exists(self._mount, ancestor):
+                # The delegated cgroup and those above it are made by their owner (systemd) only: one
+                # that is missing means the delegation is gone, and a directory made here would be
+                # ours in a tree that is not.
+                raise CgroupError(
+                    f"cannot create cgroup {self.relpath}: {ancestor} does not exist, and it is the "
+                    f"delegated cgroup {self._configure_from} or lies above it, which only their owner "
+                    "creates"
+                )
             if _is_within(ancestor, self._configure_from):
                 self._enable_controllers(ancestor)
         fs.make_dir(self._mount, self.relpath)
@@ -193,3 +206,7 @@ def _usec_to_ns(value: int | None) -> int | None:
 
 def _is_within(path: str, top: str) -> bool:
     return not top or path == top or path.startswith(top + "/")
+
+
+def _is_below(path: str, top: str) -> bool:
+    return (not top and bool(path)) or path.startswith(top + "/")

@@ -21,6 +21,11 @@ the same plan is valid there.
 The kernel is the record: exclusive CPUs are read back from the guaranteed slots' cpusets, and a
 shared slot's NUMA binding from its cpuset.mems, so an agent that restarts needs nothing else.
 
+The colocation loop may hold best-effort to part of the pool (:attr:`SharedPool.best_effort_limit`):
+the best-effort class parent and its slots then get the pool's CPUs within the limit, and every
+sync (an exclusive slot coming or going, a new best-effort slot) keeps to it, so the pool's own
+updates never undo a suppression.
+
 An empty pool is allowed while no shared slot exists: v1 accepts an empty cpuset in a group without
 tasks; in v2 an empty cpuset.cpus means "as the parent", which only matters once a task is there,
 and a new shared slot is refused (Conflict) while the pool is empty.
@@ -80,6 +85,14 @@ def shared_slot_cpus(pool: frozenset[int], mems: frozenset[int] | None, layout: 
     return pool & layout.cpus_of(mems)
 
 
+def limit_cpus(cpus: frozenset[int], limit: frozenset[int] | None) -> frozenset[int]:
+    """``cpus`` narrowed to ``limit`` (None: no limit). When none of them is in the limit, their
+    highest CPU: a group with tasks must keep one, and the high end is where best-effort is held."""
+    if limit is None or not cpus:
+        return cpus
+    return (cpus & limit) or frozenset({max(cpus)})
+
+
 @dataclass(frozen=True)
 class CpusetGroup:
     """One cgroup's cpuset as it is now and as it should be."""
@@ -129,6 +142,22 @@ class SharedPool:
                 "for slots; reserve fewer"
             )
         self._mount = _cpuset_mount(host)
+        #: Best-effort's share of the pool as the colocation loop holds it (None: the whole pool).
+        self.best_effort_limit: frozenset[int] | None = None
+
+    @property
+    def best_effort_parent(self) -> str:
+        return f"{self.hierarchy.parent}/{CLASS_DIRS['best-effort']}"
+
+    def shared_slot_target(
+        self, relpath: str, pool: frozenset[int], mems: frozenset[int] | None
+    ) -> frozenset[int]:
+        """A shared slot's cpuset: the pool (on its NUMA nodes), within the best-effort limit for a
+        best-effort slot."""
+        cpus = shared_slot_cpus(pool, mems, self.layout)
+        if relpath.startswith(self.best_effort_parent + "/"):
+            return limit_cpus(cpus, self.best_effort_limit)
+        return cpus
 
     def class_parents(self) -> tuple[str, ...]:
         return tuple(f"{self.hierarchy.parent}/{d}" for d in CLASS_DIRS.values())
@@ -163,18 +192,24 @@ class SharedPool:
         """
         pool = self.pool(overrides)
         groups = [CpusetGroup(self.hierarchy.parent, self.read_cpus(self.hierarchy.parent), self.allowed)]
-        groups += [CpusetGroup(p, self.read_cpus(p), pool) for p in self.class_parents()]
+        best_effort = self.best_effort_parent
+        groups += [CpusetGroup(p, self.read_cpus(p), pool) for p in self.class_parents() if p != best_effort]
+        # The best-effort parent holds its limit and whatever its slots need (v1's subset rule).
+        best_effort_cpus = limit_cpus(pool, self.best_effort_limit)
         for relpath, mems in self.shared_slots().items():
-            target = shared_slot_cpus(pool, mems, self.layout)
-            if not target:
+            if not shared_slot_cpus(pool, mems, self.layout):
                 binding = f"memory bound to NUMA nodes {sorted(mems)}" if mems else "memory unbound"
                 raise Conflict(
                     f"shared slot cgroup {relpath} ({binding}) would be left with no CPU: the shared pool "
                     f"would be {sorted(pool)}; free a CPU for the pool first (release an exclusive slot) or "
                     "place the exclusive slot elsewhere"
                 )
+            target = self.shared_slot_target(relpath, pool, mems)
+            if relpath.startswith(best_effort + "/"):
+                best_effort_cpus |= target
             groups.append(CpusetGroup(relpath, self.read_cpus(relpath), target))
             groups += self._below(relpath, target)
+        groups.append(CpusetGroup(best_effort, self.read_cpus(best_effort), best_effort_cpus))
         for relpath, cpus in plan_cpuset_writes(groups):
             open_manager(self.host, relpath).set(Resources(cpuset_cpus=cpus))
         return pool

@@ -215,6 +215,16 @@ def plan_exclusive_mask(cache: CacheInfo, taken: int, ways: int, reserve: int = 
     return best[1], best[2]
 
 
+def low_ways(mask: int, ways: int) -> int:
+    """The lowest ``ways`` ways of ``mask``'s lowest contiguous run (the whole run when shorter):
+    a small share that stays inside the mask and contiguous, as CAT requires."""
+    runs = contiguous_runs(mask)
+    if not runs:
+        return 0
+    start, length = runs[0]
+    return _run_mask(start, min(ways, length))
+
+
 def mba_step(percent: int, mba: MbaInfo) -> int:
     """The MB value the kernel will apply for ``percent``: at least ``min_bandwidth``, rounded up to
     the next ``min_bandwidth + N * bandwidth_gran`` step (as the kernel rounds), at most 100."""
@@ -516,6 +526,42 @@ class Resctrl:
         self._apply_default_masks(
             support, {d: default_mask(support.l3, taken.get(d, 0)) for d in support.l3_domains}
         )
+
+    def ensure_shared_group(self, name: str, *, l3_share: float | None, mb_percent: int | None) -> bool:
+        """A control group that shares a few cache ways with the default group (best-effort's):
+        per L3 domain the lowest ways of the default group's mask, ``l3_share`` of the cache (a
+        fraction, or a number of ways), and an MBA percentage. Created when missing, corrected when
+        it drifted (a new exclusive slot group rewrites shareable groups to the default's whole
+        mask). Parts the CPU lacks are left out; Unsupported when resctrl offers neither. True when
+        anything was written."""
+        _check_group_name(name)
+        support = self.detect()
+        if not support.mounted or (support.l3 is None and support.mb is None):
+            why = support.reason or f"resctrl at {self.root} offers no cache or bandwidth control"
+            raise Unsupported(why)
+        with self._locked():
+            wanted: Schemata = {}
+            if l3_share is not None and support.l3 is not None:
+                ways = ways_for_share(l3_share, support.l3)
+                defaults = self.schemata(None).get(support.l3.resources[0], {})
+                masks = {d: low_ways(int(defaults.get(d, "0"), 16), ways) for d in support.l3_domains}
+                for resource in support.l3.resources:
+                    wanted[resource] = {d: f"{mask:x}" for d, mask in masks.items()}
+            if mb_percent is not None and support.mb is not None:
+                wanted["MB"] = dict.fromkeys(support.mb_domains, str(mba_step(mb_percent, support.mb)))
+            created = not (self.root / name).is_dir()
+            if created:
+                self._check_closids(support)
+                self._mkdir(name)
+            current = parse_schemata(self._read_or_empty(self._group_rel(name, "schemata")))
+            drifted = any(
+                int(current.get(resource, {}).get(domain, "-1"), 16) != int(value, 16)
+                for resource, domains in wanted.items()
+                for domain, value in domains.items()
+            )
+            if drifted:
+                self._update_schemata(name, wanted)
+            return created or drifted
 
     def delete_group(self, name: str) -> bool:
         """Remove group ``name`` (its tasks fall back to the default group) and give its cache ways

@@ -44,7 +44,7 @@ from nodeagent.cgroups import (
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
-from nodeagent.isolation.cpus import CpuLayout, SharedPool, shared_slot_cpus
+from nodeagent.isolation.cpus import CpuLayout, SharedPool
 from nodeagent.isolation.devices import slot_device_rules
 from nodeagent.isolation.firewall import NftFirewall
 from nodeagent.isolation.network import (
@@ -61,7 +61,7 @@ from nodeagent.isolation.network import (
     plan_slot_network,
     validate_slot_id,
 )
-from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters
+from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters, quota_us
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
@@ -328,6 +328,21 @@ class SlotIsolator:
             if self._ready or open_manager(self.host, self.hierarchy.parent).exists():
                 self.pool.sync()
 
+    def limit_best_effort(self, cpus: frozenset[int] | None, quota_cpus: float | None) -> frozenset[int]:
+        """Hold the best-effort class to ``cpus`` of the shared pool (None: all of it) and
+        ``quota_cpus`` CPUs of CFS quota (None: none), as the colocation loop decides; pool updates
+        and new best-effort slots keep to the limit. Returns the class's cpuset now."""
+        with self._lock:
+            if not self._ready:
+                self.ensure_hierarchy()
+            self.pool.best_effort_limit = cpus
+            self.pool.sync()
+            relpath = self.hierarchy.class_parent("best-effort")
+            period = self.config.qos.cfs_period_us
+            quota = UNLIMITED if quota_cpus is None else quota_us(quota_cpus, period)
+            open_manager(self.host, relpath).set(Resources(cpu_quota_us=quota, cpu_period_us=period))
+            return self.pool.read_cpus(relpath)
+
     def list_owned(self) -> OwnedIsolation:
         """Every slot object the isolator's marks identify (to find orphans after a crash)."""
         with self._lock:
@@ -472,7 +487,7 @@ class SlotIsolator:
     def _prepare_cpus(self, spec: SlotIsolationSpec, relpath: str, existed: bool) -> frozenset[int]:
         """The slot's cpuset, with the pool already cut for an exclusive slot."""
         if not spec.exclusive:
-            cpus = shared_slot_cpus(self.pool.pool(), spec.mems, self.pool.layout)
+            cpus = self.pool.shared_slot_target(relpath, self.pool.pool(), spec.mems)
             if not cpus:
                 raise Conflict(
                     f"slot {spec.slot_id} ({spec.qos}) would have no CPU: the shared pool is "

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nodeagent.cgroups.delegation import KEEPER, ProcessPlacement
 from nodeagent.errors import WorkerError
 from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime.enter import Trace
@@ -178,11 +179,22 @@ class _Vanished(Exception):
 class KeeperClient:
     """The agent's connection to the keeper of ``directory`` (see the module docstring)."""
 
-    def __init__(self, directory: Path, *, python: str = sys.executable, idle_children: int = 2) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        python: str = sys.executable,
+        idle_children: int = 2,
+        placement: ProcessPlacement | None = None,
+    ) -> None:
         """``idle_children``: how many armed children wait in hand; two absorb a launch that
-        follows another before the keeper has forked the next one."""
+        follows another before the keeper has forked the next one. ``placement``: where the keeper
+        (and through it every worker until it joins its slot) starts: under systemd, the delegated
+        cgroup's ``keeper/`` leaf, outside the agent's unit, so that stopping the agent's unit never
+        takes the keeper with it; without one it starts in the agent's cgroup."""
         self.directory = directory
         self._python = python
+        self._placement = placement
         self._idle_children = max(1, idle_children)
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
@@ -404,8 +416,11 @@ class KeeperClient:
             env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
             with open(self.directory / proto.LOG_NAME, "ab") as keeper_log:
                 # No preexec_fn: CPython can then use vfork, which is safe from a threaded process.
+                argv = [self._python, "-m", "nodeagent.runtime.keeper", str(self.directory)]
+                if self._placement is not None:
+                    argv = self._placement.command(KEEPER, argv)
                 process = subprocess.Popen(
-                    [self._python, "-m", "nodeagent.runtime.keeper", str(self.directory)],
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=keeper_log,
                     stderr=keeper_log,

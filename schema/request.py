@@ -56,6 +56,8 @@ MAX_DEVICES = 1024
 MAX_MEMORY_BYTES = MAX_BYTES
 MAX_BANDWIDTH_MBIT = 10_000_000
 MAX_HOST_PORTS = 64
+#: Best-effort priorities: higher is more important (suppressed later, evicted last).
+MIN_PRIORITY, MAX_PRIORITY, DEFAULT_PRIORITY = 0, 1000, 0
 
 
 # --------------------------------------------------------------------------- field types
@@ -261,7 +263,23 @@ class SlotRequest(StrictModel):
     qos: QoS = Field(description="guaranteed: exclusive whole cores; burstable: a quota on the shared pool; "
                      "best-effort: what is left over, yielding to everything else.")
     resources: Resources = Field(default_factory=Resources)
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = Field(
+        default=DEFAULT_PRIORITY,
+        description="Best-effort slots only: 0 (default) to 1000, higher is more important. Under CPU "
+        "suppression higher priorities get best-effort's CPU first; under memory pressure the lowest "
+        "priority (then the most recently allocated slot) is evicted first and the highest restored "
+        "first. Fixed for the slot's life.",
+    )
     worker: WorkerSpec | None = Field(default=None, description="The worker to launch in the slot.")
+
+    @model_validator(mode="after")
+    def _priority_orders_best_effort(self) -> SlotRequest:
+        if self.priority != DEFAULT_PRIORITY and self.qos != "best-effort":
+            raise ValueError(
+                f"priority is {self.priority} for a {self.qos} slot; priority orders best-effort slots only "
+                "(online slots are never suppressed or evicted), so leave it out or use qos best-effort"
+            )
+        return self
 
     @model_validator(mode="after")
     def _guaranteed_cpus(self) -> SlotRequest:
@@ -340,7 +358,9 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_HOST_PORTS",
     "MAX_MEMORY_BYTES",
+    "MAX_PRIORITY",
     "MILLI",
+    "MIN_PRIORITY",
     "NAME_PATTERN",
     "NUMA_POLICIES",
     "QOS_CLASSES",

@@ -25,7 +25,7 @@ IN_CI = bool(os.environ.get("CI"))
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if IN_CI else "dev")
-_MUST_RUN_MARKERS = ("root", "kernel", "cgroup2vm")
+_MUST_RUN_MARKERS = ("root", "kernel", "cgroup2vm", "systemdvm")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

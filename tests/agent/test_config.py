@@ -201,6 +201,33 @@ def test_example_config_in_docs_loads() -> None:
     assert config.api.listen == "127.0.0.1:7070"
 
 
+def test_every_qos_key_is_documented_with_its_default() -> None:
+    import dataclasses
+
+    from nodeagent.agent.config import QosConfig
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    table = (docs / "configuration.md").read_text().split("## [qos]")[1].split("\n## ")[0]
+    example = load_config(docs / "config.example.toml")
+    assert example.qos == QosConfig()  # the example shows the defaults
+    for f in dataclasses.fields(QosConfig):
+        default = getattr(QosConfig(), f.name)
+        shown = (
+            str(default).lower()
+            if isinstance(default, bool)
+            else (f'"{default}"' if isinstance(default, str) else str(default))
+        )
+        assert f"| `{f.name}` | `{shown}` |" in table, f"[qos] {f.name} missing from docs/configuration.md"
+
+
+def test_qos_settings_reach_the_loop() -> None:
+    config = parse_config({"qos": {"cpu_margin": 0.25, "suppressed_cpus": 0.05, "period_seconds": 0.5}})
+    colocation = config.colocation()
+    assert colocation.cpu_margin == 0.25
+    assert colocation.min_cpus == 0.05
+    assert colocation.period_seconds == 0.5
+
+
 def test_controller_settings_reach_the_reporter(tmp_path: Path) -> None:
     from nodeagent.agent.daemon import _reporter, controller_token
     from nodeagent.agent.metrics import Metrics

@@ -537,6 +537,71 @@ def test_stop_worker(make: Any, world: World) -> None:
     assert signal.SIGTERM in world.processes[slot.id].signals
 
 
+class FakeQos:
+    """What the QoS loop shows the manager (agent.qos.QosLoop implements it)."""
+
+    def __init__(self) -> None:
+        self.admitted: list[tuple[str, float, int]] = []
+        self.refuse = False
+
+    def batch(self) -> dict[str, Any] | None:
+        return {"cpus": 1.5, "memory_bytes": 1 << 30}
+
+    def slot_view(self, slot_id: str) -> tuple[tuple[dict[str, Any], ...], bool]:
+        return ({"action": "evict", "slot_id": slot_id},), True
+
+    def admit(self, request: Any, best_effort_cpus: float, best_effort_memory: int) -> None:
+        self.admitted.append((request.name, best_effort_cpus, best_effort_memory))
+        if self.refuse:
+            raise PlacementError(f"best-effort slot {request.name!r} does not fit batch capacity")
+
+
+def test_qos_view_reaches_capacity_slots_and_best_effort_admission(make: Any) -> None:
+    manager = make()
+    assert manager.capacity()["batch"] is None  # no loop attached
+    qos = FakeQos()
+    manager.attach_qos(qos)
+    manager.allocate(parse_slot_request(guaranteed()))  # online slots are not the loop's to admit
+    first = manager.allocate(
+        parse_slot_request({"name": "e1", "qos": "best-effort", "resources": {"cpus": 2, "memory": "1Gi"}})
+    ).slot
+    assert first.to_json()["qos_actions"] == [{"action": "evict", "slot_id": first.id}]
+    assert first.to_json()["qos_evicted"] is True
+    qos.refuse = True
+    with pytest.raises(PlacementError, match="does not fit batch"):
+        manager.allocate(parse_slot_request({"name": "e2", "qos": "best-effort", "resources": {"cpus": 1}}))
+    assert qos.admitted == [("e1", 0.0, 0), ("e2", 2.0, 1 << 30)]
+    assert manager.capacity()["batch"] == {"cpus": 1.5, "memory_bytes": 1 << 30}
+
+
+def test_evict_and_restore_a_worker_for_the_qos_loop(make: Any, world: World) -> None:
+    manager = make()
+    slot = manager.allocate(
+        parse_slot_request({"name": "e1", "qos": "best-effort", "worker": WORKER, "priority": 3})
+    ).slot
+    first = world.processes[slot.id]
+    assert manager.evict_worker(slot.id, "node memory 91% used") is True
+    assert signal.SIGTERM in first.signals
+    manager.tick()
+    view = manager.get_slot(slot.id)
+    assert view.worker is not None
+    assert view.worker.phase == "stopped"
+    assert view.state is SlotState.READY  # the slot stays
+    assert manager.evict_worker(slot.id, "again") is False  # nothing alive to evict
+    assert any(
+        e["kind"] == "evict" and "node memory 91% used" in e["message"] for e in manager.events(slot.id)
+    )
+    assert manager.restore_worker(slot.id, "memory calm") is True
+    assert world.processes[slot.id] is not first
+    assert manager.get_slot(slot.id).worker.phase == "running"  # type: ignore[union-attr]
+    assert manager.restore_worker(slot.id, "twice") is False  # already running
+    manager.stop_worker(slot.id)
+    assert manager.restore_worker(slot.id, "operator stopped it") is False
+    kinds = [e["kind"] for e in manager.events(slot.id)]
+    assert "evict" in kinds
+    assert "restore" in kinds
+
+
 # --------------------------------------------------------------------------- reconcile after a crash
 
 

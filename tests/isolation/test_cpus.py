@@ -17,6 +17,7 @@ from nodeagent.isolation.cpus import (
     CpuLayout,
     CpusetGroup,
     SharedPool,
+    limit_cpus,
     plan_cpuset_writes,
     shared_pool,
     shared_slot_cpus,
@@ -277,3 +278,43 @@ def test_cgroups_a_container_runtime_made_below_a_slot_follow_its_cpus(fake_pool
         CpusetGroup(f"{PARENT}/guaranteed-a/libpod-def", F({2, 3}), F({3})),
     ]
     assert [path for path, _ in plan_cpuset_writes(groups)] == [groups[1].relpath, groups[0].relpath]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "limit", "expected"),
+    [
+        pytest.param(F({0, 1, 2, 3}), None, F({0, 1, 2, 3}), id="no-limit"),
+        pytest.param(F({0, 1, 2, 3}), F({2, 3}), F({2, 3}), id="within"),
+        pytest.param(F({0, 1}), F({6, 7}), F({1}), id="outside-keeps-the-highest"),
+        pytest.param(F(), F({1}), F(), id="nothing-to-limit"),
+    ],
+)
+def test_limit_cpus(cpus: frozenset[int], limit: frozenset[int] | None, expected: frozenset[int]) -> None:
+    assert limit_cpus(cpus, limit) == expected
+
+
+def test_sync_keeps_best_effort_within_its_limit_and_burstable_on_the_whole_pool(fake_pool) -> None:
+    pool, mount = fake_pool(
+        {
+            PARENT: _cpuset("0-7"),
+            f"{PARENT}/burstable": _cpuset("0-7"),
+            f"{PARENT}/best-effort": _cpuset("0-7"),
+            f"{PARENT}/burstable/web": _cpuset("0-7"),
+            f"{PARENT}/best-effort/batch": _cpuset("0-7"),
+            f"{PARENT}/best-effort/numa0": _cpuset("0-3", "0"),
+        }
+    )
+    pool.best_effort_limit = F({6, 7})
+    assert pool.sync() == F(range(8))
+    assert _cpus(mount, f"{PARENT}/burstable/web") == "0-7"
+    assert _cpus(mount, f"{PARENT}/best-effort/batch") == "6-7"
+    # Bound to node 0, which has nothing of the limit: its highest pool CPU, and the parent holds it.
+    assert _cpus(mount, f"{PARENT}/best-effort/numa0") == "3"
+    assert _cpus(mount, f"{PARENT}/best-effort") == "3,6-7"
+    # An exclusive slot taking CPU 7 moves nothing outside the limit.
+    assert pool.sync({"g": F({7})}) == F(range(7))
+    assert _cpus(mount, f"{PARENT}/best-effort/batch") == "6"
+    pool.best_effort_limit = None
+    pool.sync()
+    assert _cpus(mount, f"{PARENT}/best-effort/batch") == "0-7"
+    assert _cpus(mount, f"{PARENT}/best-effort") == "0-7"

@@ -15,6 +15,7 @@ from nodeagent.isolation.resctrl import (
     contiguous_runs,
     default_mask,
     format_schemata,
+    low_ways,
     mba_step,
     parse_schemata,
     plan_exclusive_mask,
@@ -456,3 +457,37 @@ def test_paths_stay_under_the_root(tmp_path: Path) -> None:
     (resctrl.root / "natest-link").symlink_to(tmp_path)
     with pytest.raises(ResctrlError, match="leaves"):
         resctrl.assign_tasks("natest-link", [1])
+
+
+@pytest.mark.parametrize(
+    ("mask", "ways", "expected"),
+    [
+        pytest.param(0x7FF, 2, 0x3, id="low-end"),
+        pytest.param(0x7F0, 2, 0x30, id="inside-the-run"),
+        pytest.param(0x1F, 8, 0x1F, id="whole-short-run"),
+        pytest.param(0, 2, 0, id="no-ways"),
+    ],
+)
+def test_low_ways(mask: int, ways: int, expected: int) -> None:
+    assert low_ways(mask, ways) == expected
+
+
+def test_shared_group_takes_a_few_default_ways_and_mends_drift(tmp_path: Path) -> None:
+    resctrl = make(tmp_path, INTEL_2S)
+    assert resctrl.ensure_shared_group("natest-be", l3_share=0.2, mb_percent=15) is True
+    # 20% of 11 ways is 3 (rounded up), the lowest of the default run; MBA rounds up to 20%.
+    assert resctrl.schemata("natest-be") == {"L3": {0: "7", 1: "7"}, "MB": {0: "20", 1: "20"}}
+    assert resctrl.ensure_shared_group("natest-be", l3_share=0.2, mb_percent=15) is False
+    # An exclusive slot group rewrites shareable groups to the default's whole mask; mended.
+    (resctrl.root / "natest-be/mode").write_text("shareable\n")
+    resctrl.create_group("natest-slot", l3=0.5)
+    assert resctrl.schemata("natest-be")["L3"] == {0: "1f", 1: "1f"}
+    assert resctrl.ensure_shared_group("natest-be", l3_share=0.2, mb_percent=15) is True
+    assert resctrl.schemata("natest-be")["L3"] == {0: "7", 1: "7"}
+    assert resctrl.schemata()["L3"] == {0: "1f", 1: "1f"}  # the default group keeps its ways
+
+
+def test_shared_group_without_resctrl_says_why(tmp_path: Path) -> None:
+    resctrl = make(tmp_path, None, proc_files(flags=PLAIN_FLAGS))
+    with pytest.raises(Unsupported):
+        resctrl.ensure_shared_group("natest-be", l3_share=0.1, mb_percent=None)

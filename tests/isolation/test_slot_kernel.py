@@ -560,3 +560,18 @@ def test_a_slot_left_half_made_across_v1_hierarchies_is_still_listed(
     assert owned["shalfmade0001"].applied.mems is None
     assert "shalfmade0001" in isolator.remove_orphans(set()).cgroups
     assert not (host.v1_mounts["pids"] / relpath).exists()
+@pytest.mark.root
+def test_a_slot_cut_short_before_its_cpuset_directory_is_still_listed(
+    isolator: SlotIsolator, host: CgroupHost
+) -> None:
+    """v1 makes a slot hierarchy by hierarchy; a crash between two leaves it without a cpuset
+    directory, and the next start must list it (to finish or remove it), not fail reading it."""
+    isolator.ensure_hierarchy()
+    relpath = f"{isolator.hierarchy.parent}/burstable/cut"
+    for controller, mount in host.v1_mounts.items():
+        if controller != "cpuset":
+            (mount / relpath).mkdir(exist_ok=True)
+    owned = {o.slot_id: o for o in isolator.owned_slots()}
+    assert owned["cut"].applied.cpus == frozenset()
+    assert owned["cut"].applied.mems is None
+    assert isolator.remove_orphans(()).cgroups == {"cut": relpath}

@@ -132,7 +132,7 @@ def test_profile_alone_means_one_instance() -> None:
         pytest.param({"name": "a"}, "qos is missing; use one of guaranteed | burstable", id="no-qos"),
         pytest.param(
             {"name": "a", "qos": "guaranteed", "colour": 1},
-            "colour: unknown field; known fields: name, qos, resources, worker",
+            "colour: unknown field; known fields: name, qos, resources, priority, worker",
             id="unknown-top",
         ),
         pytest.param(
@@ -179,6 +179,26 @@ def test_profile_alone_means_one_instance() -> None:
             {"name": "a", "qos": "burstable", "worker": "run"}, "worker: must be an object", id="worker"
         ),
         pytest.param([], "request: must be an object", id="not-an-object"),
+        pytest.param(
+            {"name": "a", "qos": "best-effort", "priority": -1},
+            "priority: must be at least 0",
+            id="priority-low",
+        ),
+        pytest.param(
+            {"name": "a", "qos": "best-effort", "priority": 1001},
+            "priority: must be at most 1000",
+            id="priority-high",
+        ),
+        pytest.param(
+            {"name": "a", "qos": "best-effort", "priority": "high"},
+            "priority: must be a whole number",
+            id="priority-text",
+        ),
+        pytest.param(
+            {"name": "a", "qos": "burstable", "resources": {"memory": "1Mi"}, "priority": 5},
+            "priority is 5 for a burstable slot; priority orders best-effort slots only",
+            id="priority-online",
+        ),
     ],
 )
 def test_refusals_name_the_field(obj: Any, message: str) -> None:
@@ -206,3 +226,13 @@ def test_round_trip_through_json(obj: dict[str, Any]) -> None:
 )
 def test_format_quantity_short(nbytes: int, shown: str) -> None:
     assert format_quantity_short(nbytes) == shown
+
+
+def test_priority_orders_best_effort_and_defaults_to_zero() -> None:
+    assert parse_slot_request({"name": "a", "qos": "best-effort", "priority": 700}).priority == 700
+    body = {"name": "a", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "1Mi"}}
+    default = parse_slot_request(body)
+    assert default.priority == 0
+    # A stored request from before the field existed reads back the same.
+    assert request_to_dict(default)["priority"] == 0
+    assert parse_slot_request(request_to_dict(default)) == default

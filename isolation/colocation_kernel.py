@@ -1,0 +1,358 @@
+"""The kernel side of colocation control: the sampler that reads usage and pressure, and the
+actuator that carries out the CPU and memory actions on best-effort slots.
+
+The decision itself is :func:`nodeagent.isolation.colocation.decide` (pure). The sampler reads,
+per period and on cgroup v1 or v2:
+
+- ``/proc/stat`` (per-CPU busy time), ``/proc/meminfo`` (MemTotal, MemAvailable) and
+  ``/proc/pressure/{cpu,memory,io}``, under an injectable proc root;
+- the shared pool (the burstable class parent's cpuset);
+- the burstable class parent and each guaranteed slot (the online groups): CPU time, memory,
+  and on v2 their ``*.pressure`` files;
+- the best-effort class parent's CPU time, and each best-effort slot's CPU time and memory.
+
+That is about two reads per slot and ten per host: tens of microseconds a period on a quiet host.
+
+The actuator writes best-effort's cpuset limit and class quota through the isolator (which keeps
+the limit across its own pool updates), each slot's quota and memory.high (the soft limit on v1),
+and tends best-effort processes each period: ``oom_score_adj`` 1000 (the kernel's OOM killer takes
+them before any online process) and, where the host has resctrl, their small shared cache and
+bandwidth group. Evictions and restores are the agent's (they stop and start workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodeagent.cgroups import UNLIMITED, CgroupHost, Hierarchy, Resources, open_manager
+from nodeagent.cgroups import fs as cgroupfs
+from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
+from nodeagent.cpulist import parse_cpulist
+from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
+from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
+from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us
+from nodeagent.isolation.resctrl import Resctrl
+from nodeagent.isolation.slot import SlotIsolator
+
+log = logging.getLogger(__name__)
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: /proc/stat cpuN fields counted as busy: user nice system (idle iowait) irq softirq steal.
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+
+
+# --------------------------------------------------------------------------- /proc readers
+
+
+def parse_proc_stat(text: str) -> dict[int, int]:
+    """Cumulative busy time per CPU in nanoseconds from /proc/stat (guest time is already in user;
+    steal counts as busy: time the hypervisor took is not ours to give to best-effort)."""
+    busy: dict[int, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        suffix = name[3:]
+        if not suffix.isdigit():
+            continue
+        values = [int(v) for v in rest.split()]
+        ticks = sum(values[i] for i in _BUSY_FIELDS if i < len(values))
+        busy[int(suffix)] = ticks * (1_000_000_000 // _CLOCK_TICKS)
+    return busy
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes; ValueError when either is missing."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemAvailable"):
+            found[key] = int(rest.split()[0]) * 1024
+    if len(found) != 2:
+        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {sorted(found)})")
+    return found["MemTotal"], found["MemAvailable"]
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What the agent knows of a slot that the kernel does not say: its class, and for
+    best-effort slots the loop's ordering and whether its worker runs or was evicted."""
+
+    slot_id: str
+    qos: str
+    priority: int = 0
+    started_at: float = 0.0
+    memory_high: int | None = None
+    running: bool = False
+    evicted: bool = False
+
+
+class Sampler:
+    """Reads one :class:`Sample` per call. ``proc_root`` and the cgroup host are injectable."""
+
+    def __init__(
+        self,
+        host: CgroupHost,
+        hierarchy: Hierarchy,
+        *,
+        allowed: frozenset[int],
+        core_of: Mapping[int, int],
+        proc_root: Path = Path("/proc"),
+    ) -> None:
+        self.host = host
+        self.hierarchy = hierarchy
+        self.allowed = allowed
+        self.core_of = dict(core_of)
+        self.proc_root = proc_root
+        self._v2 = host.mode == "v2" and host.v2_mount is not None
+        self._cpu_mount: Path | None
+        self._memory_mount: Path | None
+        self._cpuset_mount: Path | None
+        if self._v2:
+            self._cpu_mount = self._memory_mount = self._cpuset_mount = host.v2_mount
+        else:
+            self._cpu_mount = host.v1_mounts.get("cpuacct") or host.v1_mounts.get("cpu")
+            self._memory_mount = host.v1_mounts.get("memory")
+            self._cpuset_mount = host.v1_mounts.get("cpuset")
+
+    def sample(self, slots: Sequence[SlotInfo], now: float) -> Sample:
+        pool = self._pool()
+        return Sample(
+            time=now,
+            pool=pool,
+            core_of=self.core_of,
+            exclusive=self.allowed - pool,
+            cpu_busy_ns=self._busy(),
+            memory_total=(memory := self._meminfo())[0],
+            memory_available=memory[1],
+            node_stall=self._node_stall(),
+            online=self._online(slots),
+            best_effort_cpu_ns=self.group(self.hierarchy.class_parent("best-effort"), memory=False).cpu_ns,
+            best_effort=tuple(self._best_effort(s) for s in slots if s.qos == "best-effort"),
+        )
+
+    def group(
+        self, relpath: str, *, cpu: bool = True, memory: bool = True, pressure: bool = False
+    ) -> GroupUsage:
+        """One cgroup's usage; a group that is gone reads as all None."""
+        if self._v2:
+            return self._group_v2(relpath, cpu=cpu, memory=memory, pressure=pressure)
+        return GroupUsage(
+            cpu_ns=self._read_int(self._cpu_mount, relpath, "cpuacct.usage") if cpu else None,
+            memory_bytes=self._read_int(self._memory_mount, relpath, "memory.usage_in_bytes")
+            if memory
+            else None,
+            stall=None,
+        )
+
+    def _group_v2(self, relpath: str, *, cpu: bool, memory: bool, pressure: bool) -> GroupUsage:
+        assert self._cpu_mount is not None
+        directory = cgroupfs.resolve_dir(self._cpu_mount, relpath)
+        try:
+            cpu_ns = None
+            if cpu:
+                stat = cgroupfs.read_optional(directory, "cpu.stat")
+                usage = None if stat is None else cgroupfs.parse_keyed(stat).get("usage_usec")
+                cpu_ns = None if usage is None else usage * 1000
+            memory_bytes = None
+            if memory:
+                text = cgroupfs.read_optional(directory, "memory.current")
+                memory_bytes = None if text is None else cgroupfs.parse_int(text, directory, "memory.current")
+            stall = None
+            if pressure:
+                values = {r: read_cgroup_pressure(directory, r) for r in ("cpu", "memory", "io")}
+                stall = Stall(
+                    cpu=_total(values["cpu"]), memory=_total(values["memory"]), io=_total(values["io"])
+                )
+        except CgroupError as err:
+            if err.errno in (errno.ENOENT, errno.ENODEV):
+                return GroupUsage()
+            raise
+        return GroupUsage(cpu_ns=cpu_ns, memory_bytes=memory_bytes, stall=stall)
+
+    def _online(self, slots: Sequence[SlotInfo]) -> dict[str, GroupUsage]:
+        online = {"burstable": self.group(self.hierarchy.class_parent("burstable"), pressure=self._v2)}
+        for slot in slots:
+            if slot.qos == "guaranteed":
+                relpath = self.hierarchy.slot_path(slot.slot_id, "guaranteed")
+                online[slot.slot_id] = self.group(relpath, cpu=False, pressure=self._v2)
+        return online
+
+    def _best_effort(self, slot: SlotInfo) -> BestEffortSlot:
+        return BestEffortSlot(
+            slot_id=slot.slot_id,
+            priority=slot.priority,
+            started_at=slot.started_at,
+            usage=self.group(self.hierarchy.slot_path(slot.slot_id, "best-effort")),
+            memory_high=slot.memory_high,
+            running=slot.running,
+            evicted=slot.evicted,
+        )
+
+    def _pool(self) -> frozenset[int]:
+        if self._cpuset_mount is None:
+            return self.allowed
+        relpath = cgroupfs.join(self.hierarchy.class_parent("burstable"), "cpuset.cpus")
+        text = cgroupfs.read_optional(self._cpuset_mount, relpath)
+        return self.allowed if text is None else parse_cpulist(text)
+
+    def _busy(self) -> dict[int, int]:
+        return parse_proc_stat(self._read_proc("stat"))
+
+    def _meminfo(self) -> tuple[int, int]:
+        try:
+            return parse_meminfo(self._read_proc("meminfo"))
+        except ValueError as err:
+            raise CgroupError(f"{self.proc_root / 'meminfo'}: {err}") from None
+
+    def _node_stall(self) -> Stall:
+        return Stall(
+            cpu=_total(read_node_pressure(self.proc_root, "cpu")),
+            memory=_total(read_node_pressure(self.proc_root, "memory")),
+            io=_total(read_node_pressure(self.proc_root, "io")),
+        )
+
+    def _read_proc(self, name: str) -> str:
+        path = self.proc_root / name
+        try:
+            return path.read_text()
+        except OSError as err:
+            raise translate_os_error(f"reading {path}", err, CgroupError) from err
+
+    @staticmethod
+    def _read_int(mount: Path | None, relpath: str, name: str) -> int | None:
+        if mount is None:
+            return None
+        text = cgroupfs.read_optional(mount, cgroupfs.join(relpath, name))
+        return None if text is None else cgroupfs.parse_int(text, mount, cgroupfs.join(relpath, name))
+
+
+def _total(pressure: Pressure | None) -> int | None:
+    return None if pressure is None else pressure.some.total_us
+
+
+# --------------------------------------------------------------------------- the actuator
+
+
+class Actuator:
+    """Carries out the kernel actions (everything but evict and restore) on best-effort slots.
+
+    ``resctrl_group``: the name of best-effort's shared resctrl group, or None to leave resctrl be.
+    """
+
+    def __init__(
+        self,
+        isolator: SlotIsolator,
+        *,
+        resctrl: Resctrl | None = None,
+        resctrl_group: str | None = None,
+        l3_share: float | None = None,
+        mb_percent: int | None = None,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
+        self.isolator = isolator
+        self.host = isolator.host
+        self.hierarchy = isolator.hierarchy
+        self._resctrl = resctrl
+        self._resctrl_group = resctrl_group
+        self._l3_share = l3_share
+        self._mb_percent = mb_percent
+        self._proc_root = proc_root
+        self._tended: set[int] = set()
+        self._resctrl_ready = False
+
+    def apply(self, action: Action) -> None:
+        """Write what ``action`` says. A slot that went away meanwhile is not an error."""
+        kind = action.kind
+        if kind in ("cpu_suppress", "cpu_release"):
+            self.isolator.limit_best_effort(action.cpus, action.quota_cpus)
+        elif kind == "slot_cpu_quota":
+            period = self.isolator.config.qos.cfs_period_us
+            quota = UNLIMITED if action.quota_cpus is None else quota_us(action.quota_cpus, period)
+            self._set_slot(action, Resources(cpu_quota_us=quota, cpu_period_us=period))
+        elif kind in ("memory_throttle", "memory_unthrottle"):
+            high = UNLIMITED if action.memory_high is None else action.memory_high
+            self._set_slot(action, Resources(memory_high=high))
+        else:
+            raise AssertionError(f"the agent carries out {kind}, not the actuator")
+
+    def kill(self, cgroup: str) -> None:
+        """Kill every process of a slot (an evicted worker whose grace is over)."""
+        open_manager(self.host, cgroup).kill(timeout=5.0)
+
+    def release(self) -> None:
+        """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
+        self.isolator.limit_best_effort(None, None)
+
+    def _set_slot(self, action: Action, resources: Resources) -> None:
+        assert action.slot_id is not None
+        manager = open_manager(self.host, self.hierarchy.slot_path(action.slot_id, "best-effort"))
+        try:
+            manager.set(resources)
+        except CgroupError as err:
+            if err.errno not in (errno.ENOENT, errno.ENODEV):
+                raise
+
+    # -- best-effort processes --------------------------------------------------------------
+
+    def prepare_resctrl(self) -> str | None:
+        """Create (or mend) best-effort's shared resctrl group; None where the host has none."""
+        if self._resctrl is None or self._resctrl_group is None:
+            return None
+        if not (self._resctrl.root / "info").is_dir():
+            return None
+        try:
+            if self._resctrl.ensure_shared_group(
+                self._resctrl_group, l3_share=self._l3_share, mb_percent=self._mb_percent
+            ):
+                log.info("best-effort resctrl group %s set up", self._resctrl_group)
+        except NodeAgentError as err:
+            log.warning("best-effort resctrl group %s not set up: %s", self._resctrl_group, err)
+            self._resctrl_ready = False
+            return None
+        self._resctrl_ready = True
+        self._tended.clear()  # a new group holds none of them yet
+        return self._resctrl_group
+
+    def tend(self, slot_ids: Iterable[str]) -> int:
+        """Best-effort processes not seen before: oom_score_adj 1000, and into the resctrl group.
+        Returns how many were new."""
+        mount = self.host.v2_mount if self.host.mode == "v2" else self.host.v1_mounts.get("memory")
+        if mount is None:
+            return 0
+        seen: set[int] = set()
+        for slot_id in slot_ids:
+            relpath = self.hierarchy.slot_path(slot_id, "best-effort")
+            seen.update(cgroupfs.read_pids(mount, cgroupfs.join(relpath, "cgroup.procs")))
+        new = seen - self._tended
+        for pid in sorted(new):
+            self._tend(pid)
+        self._tended = seen
+        return len(new)
+
+    def _tend(self, pid: int) -> None:
+        # The process may exit between the listing and these writes: that is fine.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            (self._proc_root / str(pid) / "oom_score_adj").write_text(str(OOM_SCORE_ADJ_BEST_EFFORT))
+        if self._resctrl_ready and self._resctrl is not None and self._resctrl_group is not None:
+            try:
+                threads = [int(t) for t in os.listdir(self._proc_root / str(pid) / "task")]
+            except FileNotFoundError:
+                return
+            try:
+                self._resctrl.assign_tasks(self._resctrl_group, threads)
+            except NodeAgentError as err:
+                if getattr(err, "errno", None) not in (errno.ESRCH, errno.ENOENT):
+                    log.warning("best-effort pid %d not moved into resctrl group: %s", pid, err)
+
+
+__all__ = ["Actuator", "Sampler", "SlotInfo", "parse_meminfo", "parse_proc_stat"]

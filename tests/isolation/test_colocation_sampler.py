@@ -1,0 +1,151 @@
+"""The colocation sampler on fake /proc and cgroupfs trees (v1 and v2), and the parsers it uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nodeagent.cgroups import CgroupHost, Hierarchy
+from nodeagent.cgroups.pressure import parse_pressure, read_node_pressure
+from nodeagent.errors import CgroupError
+from nodeagent.isolation.colocation import GroupUsage, Stall
+from nodeagent.isolation.colocation_kernel import Sampler, SlotInfo, parse_meminfo, parse_proc_stat
+from tests.trees import write_tree
+
+F = frozenset
+TICK_NS = 1_000_000_000 // 100
+PARENT = "na.slice"
+
+PROC_STAT = (
+    "cpu  100 0 50 1000 5 0 0 0 0 0\n"
+    "cpu0 10 1 5 500 2 3 4 7 20 0\n"
+    "cpu1 90 0 45 500 3 0 0 0 0 0\n"
+    "intr 12345\nctxt 999\n"
+)
+MEMINFO = "MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n"
+
+
+def psi(some: int, full: int | None = 0) -> str:
+    text = f"some avg10=1.50 avg60=0.20 avg300=0.00 total={some}\n"
+    return text + (f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n" if full is not None else "")
+
+
+def test_parse_proc_stat_counts_steal_and_irq_but_not_idle_or_iowait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("nodeagent.isolation.colocation_kernel._CLOCK_TICKS", 100)
+    assert parse_proc_stat(PROC_STAT) == {0: (10 + 1 + 5 + 3 + 4 + 7) * TICK_NS, 1: (90 + 45) * TICK_NS}
+
+
+def test_parse_meminfo() -> None:
+    assert parse_meminfo(MEMINFO) == (16384 * 1024, 8192 * 1024)
+    with pytest.raises(ValueError, match="MemAvailable"):
+        parse_meminfo("MemTotal: 1 kB\n")
+
+
+def test_parse_pressure() -> None:
+    parsed = parse_pressure(psi(1234, 56))
+    assert parsed.some.total_us == 1234
+    assert parsed.some.avg10 == 1.5
+    assert parsed.full is not None
+    assert parsed.full.total_us == 56
+    assert parse_pressure(psi(7, None)).full is None  # the node cpu file before 5.13
+    with pytest.raises(ValueError, match="not a pressure line"):
+        parse_pressure("some avg10=x total=1\n")
+    with pytest.raises(ValueError, match="no 'some' line"):
+        parse_pressure("\n")
+
+
+def test_node_pressure_missing_is_none_and_garbage_is_an_error(tmp_path: Path) -> None:
+    assert read_node_pressure(tmp_path, "cpu") is None
+    write_tree(tmp_path, {"pressure/io": "what\n"})
+    with pytest.raises(CgroupError, match="pressure/io"):
+        read_node_pressure(tmp_path, "io")
+
+
+def proc_tree(tmp_path: Path) -> Path:
+    return write_tree(
+        tmp_path / "proc",
+        {
+            "stat": PROC_STAT,
+            "meminfo": MEMINFO,
+            "pressure/cpu": psi(100),
+            "pressure/memory": psi(200),
+            "pressure/io": psi(300),
+        },
+    )
+
+
+SLOTS = [
+    SlotInfo("g1", "guaranteed"),
+    SlotInfo("b1", "burstable"),
+    SlotInfo("e1", "best-effort", priority=3, started_at=12.5, memory_high=64 << 20, running=True),
+]
+
+
+def test_sampler_on_cgroup_v2(tmp_path: Path) -> None:
+    mount = tmp_path / "cgroup"
+    files = {f"{PARENT}/burstable/cpuset.cpus": "1\n"}
+    for relpath, usage, memory, pressures in (
+        (f"{PARENT}/burstable", 5000, 1 << 30, (10, 20, 30)),
+        (f"{PARENT}/g1", 9000, 2 << 30, (11, 21, 31)),
+        (f"{PARENT}/best-effort", 7000, 3 << 20, (0, 0, 0)),
+        (f"{PARENT}/best-effort/e1", 6000, 2 << 20, (0, 0, 0)),
+    ):
+        files[f"{relpath}/cpu.stat"] = f"usage_usec {usage}\nuser_usec 1\nsystem_usec 2\n"
+        files[f"{relpath}/memory.current"] = f"{memory}\n"
+        for name, total in zip(("cpu", "memory", "io"), pressures, strict=True):
+            files[f"{relpath}/{name}.pressure"] = psi(total)
+    write_tree(mount, files)
+    host = CgroupHost(mode="v2", v2_mount=mount, can_write=True)
+    sampler = Sampler(
+        host, Hierarchy(PARENT), allowed=F({0, 1}), core_of={0: 0, 1: 1}, proc_root=proc_tree(tmp_path)
+    )
+    sample = sampler.sample(SLOTS, now=42.0)
+    assert sample.time == 42.0
+    assert sample.pool == F({1})
+    assert sample.exclusive == F({0})
+    assert sample.memory_total == 16384 * 1024
+    assert sample.memory_available == 8192 * 1024
+    assert sample.node_stall == Stall(cpu=100, memory=200, io=300)
+    assert sample.online == {
+        "burstable": GroupUsage(5_000_000, 1 << 30, Stall(10, 20, 30)),
+        "g1": GroupUsage(None, 2 << 30, Stall(11, 21, 31)),
+    }
+    assert sample.best_effort_cpu_ns == 7_000_000
+    (slot,) = sample.best_effort
+    assert slot.slot_id == "e1"
+    assert slot.priority == 3
+    assert slot.started_at == 12.5
+    assert slot.memory_high == 64 << 20
+    assert slot.usage == GroupUsage(6_000_000, 2 << 20, None)
+
+
+def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
+    cpuacct, memory, cpuset = tmp_path / "cpuacct", tmp_path / "memory", tmp_path / "cpuset"
+    write_tree(cpuset, {f"{PARENT}/burstable/cpuset.cpus": "0-1\n"})
+    write_tree(
+        cpuacct,
+        {
+            f"{PARENT}/burstable/cpuacct.usage": "123\n",
+            f"{PARENT}/best-effort/cpuacct.usage": "456\n",
+        },
+    )
+    write_tree(
+        memory,
+        {
+            f"{PARENT}/burstable/memory.usage_in_bytes": "1000\n",
+            f"{PARENT}/g1/memory.usage_in_bytes": "2000\n",
+        },
+    )
+    host = CgroupHost(
+        mode="hybrid", v1_mounts={"cpuacct": cpuacct, "memory": memory, "cpuset": cpuset}, can_write=True
+    )
+    sampler = Sampler(host, Hierarchy(PARENT), allowed=F({0, 1}), core_of={}, proc_root=proc_tree(tmp_path))
+    sample = sampler.sample(SLOTS, now=1.0)
+    assert sample.pool == F({0, 1})
+    assert sample.exclusive == F()
+    # No per-group PSI on v1: the decision falls back to the node's.
+    assert sample.online == {"burstable": GroupUsage(123, 1000, None), "g1": GroupUsage(None, 2000, None)}
+    assert sample.best_effort_cpu_ns == 456
+    (slot,) = sample.best_effort
+    assert slot.usage == GroupUsage(None, None, None)  # e1 was released between listing and reading
