@@ -145,7 +145,6 @@ def main() -> None:
                     spec.container,
                     slot_id=holder_id,
                     cgroup=f"natest{PID}bh",
-                    netns=None,
                     sandbox=SandboxSpec(uid=600999, gid=600999),
                     init=init_path(),
                 )

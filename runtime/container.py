@@ -11,8 +11,9 @@ therefore the command worker's, unchanged. What podman adds (docs/containers.md 
   memory, pids and device limits bound them (hierarchically, on v1 as on v2);
 - ``--device nodeagent.io/slot=<slot id>``: the slot's CDI spec (device nodes, wiring env, slot
   file), written by the agent;
-- ``--network ns:/run/netns/<slot>`` when the slot has a network namespace, else ``host`` (a command
-  worker without one shares the host's network too; probes reach it on 127.0.0.1 either way);
+- ``--network=host``: the network namespace podman runs in, which is the slot's when it has one
+  (the keeper's child entered it before exec), else the host's as for a command worker; probes
+  reach it where they reach a command worker;
 - ``--user <slot uid>:<gid> --cap-drop=all --security-opt=no-new-privileges`` with the sandbox on:
   the slot's own uid, as a command worker; ``--init`` (catatonit) as PID 1 to reap and forward
   signals;
@@ -114,7 +115,6 @@ def run_argv(
     *,
     slot_id: str,
     cgroup: str | None,
-    netns: str | None,
     sandbox: SandboxSpec | None,
     init: str | None,
     ulimits: Mapping[str, tuple[int, int]] | None = None,
@@ -122,14 +122,18 @@ def run_argv(
     """The ``podman run`` command line of a container worker (pure: every host fact is an argument).
 
     ``cgroup``: the slot's cgroup relative to each hierarchy's root (None: the slot has none, the
-    container gets podman's default place); ``netns``: the slot's netns file; ``sandbox``: the
+    container gets podman's default place); ``sandbox``: the
     identity and capabilities the agent chose for the slot's worker (None: the sandbox is off, the
     image's user and podman's default capabilities)."""
     argv = [podman, *config.global_args(), "run", "--rm", "--replace", f"--name={container_name(slot_id)}"]
     argv += ["--pull=never", "--log-driver=none", f"--device={SLOT_DEVICE_KIND}={slot_id}"]
     if cgroup is not None:
         argv += [f"--cgroup-parent=/{cgroup.strip('/')}", "--cgroupns=private"]
-    argv.append(f"--network=ns:{netns}" if netns else "--network=host")
+    # The network namespace podman runs in is the slot's already (the keeper's child entered it
+    # before exec), and "host" keeps the container in it. Naming it (--network=ns:PATH) would work
+    # too, but then podman adds its default net.* sysctls, which runc refuses in a namespace it did
+    # not create ("sysctl net.ipv4.ping_group_range not allowed in host network namespace").
+    argv.append("--network=host")
     if init is not None:
         argv += ["--init", f"--init-path={init}"]
     if sandbox is not None:

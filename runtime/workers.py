@@ -283,7 +283,6 @@ class KeeperRuntime:
             spec.container,
             slot_id=slot.slot_id,
             cgroup=applied.cgroup if applied is not None else None,
-            netns=binding.netns,
             sandbox=sandbox,
             init=init_path(),
         )

@@ -50,7 +50,6 @@ def argv(spec: WorkerSpec = SPEC, **overrides: object) -> list[str]:
     kwargs: dict[str, object] = {
         "slot_id": "s0123456789ab",
         "cgroup": "nodeagent.slice/guaranteed/s0123456789ab",
-        "netns": "/run/netns/na-s0123456789ab",
         "sandbox": SANDBOX,
         "init": "/usr/bin/catatonit",
         "ulimits": {"nofile": (20000, 20000), "nproc": (32768, 32768)},
@@ -66,7 +65,7 @@ def test_the_container_lands_below_the_slot_with_its_devices_network_and_identit
     assert "--name=nodeagent-s0123456789ab" in line
     assert "--cgroup-parent=/nodeagent.slice/guaranteed/s0123456789ab" in line
     assert "--device=nodeagent.io/slot=s0123456789ab" in line
-    assert "--network=ns:/run/netns/na-s0123456789ab" in line
+    assert "--network=host" in line  # the netns podman runs in: the slot's when it has one
     assert "--pull=never" in line
     assert line[line.index("--init") : line.index("--init") + 2] == [
         "--init",
@@ -91,10 +90,9 @@ def test_the_container_lands_below_the_slot_with_its_devices_network_and_identit
     assert line[-4:] == ['--entrypoint=["/bin/server"]', "localhost/oip:1", "--port", "8011"]
 
 
-def test_without_netns_sandbox_or_cgroup() -> None:
+def test_without_sandbox_or_cgroup() -> None:
     spec = parse_worker_spec({"container": {"image": "busybox"}})
-    line = argv(spec, netns=None, sandbox=None, cgroup=None, init=None)
-    assert "--network=host" in line  # as a command worker without a netns: probes reach 127.0.0.1
+    line = argv(spec, sandbox=None, cgroup=None, init=None)
     assert not [a for a in line if a.startswith(("--user", "--cap-", "--cgroup-parent", "--init"))]
     assert line[-1] == "busybox"
 

@@ -289,3 +289,26 @@ def test_a_shared_container_slot_follows_the_pool_when_it_shrinks(daemon: Daemon
     for name in ("exclusive", "shared"):
         assert client.delete(f"/v1/slots/{name}").status_code == 204
     client.close()
+
+
+def test_a_container_in_a_slot_with_a_network_is_in_its_namespace(daemon: DaemonProcess, image: str) -> None:
+    client = daemon.start()
+    port = free_port()
+    request = {
+        "name": "net",
+        "qos": "guaranteed",
+        "resources": {"cpus": 1, "memory": "256Mi", "network": {}},
+        "worker": {
+            "container": {"image": image, "command": ["/bin/httpd", "-f", "-p", str(port), "-h", "/www"]},
+            # Probes connect to the slot's address: passing proves the server is in the slot's netns.
+            "readiness": {"http": {"port": port, "path": "/ready"}, "period_seconds": 0.2},
+        },
+    }
+    assert client.post("/v1/slots", json=request).status_code == 201
+    slot = wait_for_phase(client, "net", "running", "failed")
+    assert slot["worker"]["phase"] == "running", client.get("/v1/slots/net/logs").json()
+    netns = os.stat(slot["network"]["netns_path"])
+    inside = os.stat(f"/proc/{container_pid(slot['id'])}/ns/net")
+    assert (inside.st_dev, inside.st_ino) == (netns.st_dev, netns.st_ino)
+    assert client.delete("/v1/slots/net").status_code == 204
+    client.close()
