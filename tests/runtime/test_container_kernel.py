@@ -312,3 +312,31 @@ def test_a_container_in_a_slot_with_a_network_is_in_its_namespace(daemon: Daemon
     assert (inside.st_dev, inside.st_ino) == (netns.st_dev, netns.st_ino)
     assert client.delete("/v1/slots/net").status_code == 204
     client.close()
+
+
+def test_stopping_a_container_worker_is_graceful(daemon: DaemonProcess, image: str) -> None:
+    # SIGTERM to podman reaches the server inside (podman's sig-proxy, then the container's init),
+    # which exits in its own time, within the grace: a stop, not a kill.
+    client = daemon.start()
+    script = "trap 'echo got-term; exit 0' TERM; echo up; while true; do sleep 0.1; done"
+    request = {
+        "name": "graceful",
+        "qos": "burstable",
+        "resources": {"cpus": 0.5, "memory": "256Mi"},
+        "worker": {
+            "container": {"image": image, "command": ["/bin/sh", "-c", script]},
+            "stop_grace_seconds": 30,
+        },
+    }
+    assert client.post("/v1/slots", json=request).status_code == 201
+    slot_id = wait_for_phase(client, "graceful", "running")["id"]
+    container_pid(slot_id)
+    wait_until(
+        "the worker's first line", lambda: "up" in client.get("/v1/slots/graceful/logs").json()["lines"]
+    )
+    assert client.delete("/v1/slots/graceful/worker").status_code == 200
+    worker = wait_for_phase(client, "graceful", "stopped")["worker"]
+    assert worker["last_exit"]["code"] == 0, worker
+    assert "got-term" in client.get("/v1/slots/graceful/logs").json()["lines"]
+    assert client.delete("/v1/slots/graceful").status_code == 204
+    client.close()
