@@ -333,6 +333,7 @@ class SlotManager:
             resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
+            self._check_container(req.worker)
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -590,6 +591,7 @@ class SlotManager:
             resolve(body)
             if self._sandbox is not None:
                 self._sandbox.check(body)
+            self._check_container(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             if body.container is not None and not runs_containers(slot):
@@ -867,6 +869,14 @@ class SlotManager:
         for slot in slots:
             self._write_cdi(slot)
         try_cdi("written", "-", self._cdi.write_device_specs, self._topology)
+
+    def _check_container(self, spec: WorkerSpec) -> None:
+        """A container worker gets its slot through the slot's CDI spec: without specs it cannot start."""
+        if spec.container is not None and self._cdi is None:
+            raise Unsupported(
+                "container workers need the slot's CDI spec, and this agent writes none ([cdi] enabled = "
+                "false, or slots are not isolated here); enable [cdi] or give a command"
+            )
 
     def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
         if self._cdi is None or slot.assignment is None:

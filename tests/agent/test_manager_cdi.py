@@ -179,3 +179,11 @@ def test_device_specs_for_the_hosts_gpus_and_fpgas(tmp_path: Path) -> None:
     assert cdi.remove_stale(set()) == []
     assert cdi.write_device_specs(synthetic_topology(sockets=1, numa_per_socket=1)) == []
     assert cdi.specs.keys() == set()
+
+
+def test_a_container_worker_without_cdi_specs_is_refused_at_once(make: Any) -> None:
+    manager = make(with_cdi=False)
+    request = {**guaranteed("ctr"), "worker": {"container": {"image": "localhost/x:1"}}}
+    with pytest.raises(Unsupported, match=r"container workers need the slot's CDI spec"):
+        manager.allocate(parse_slot_request(request))
+    assert manager.list_slots() == []
