@@ -314,7 +314,7 @@ def test_a_container_in_a_slot_with_a_network_is_in_its_namespace(daemon: Daemon
     client.close()
 
 
-def test_stopping_a_container_worker_is_graceful(daemon: DaemonProcess, image: str) -> None:
+def test_exec_probes_run_inside_and_stopping_is_graceful(daemon: DaemonProcess, image: str) -> None:
     # SIGTERM to podman reaches the server inside (podman's sig-proxy, then the container's init),
     # which exits in its own time, within the grace: a stop, not a kill.
     client = daemon.start()
@@ -325,6 +325,12 @@ def test_stopping_a_container_worker_is_graceful(daemon: DaemonProcess, image: s
         "resources": {"cpus": 0.5, "memory": "256Mi"},
         "worker": {
             "container": {"image": image, "command": ["/bin/sh", "-c", script]},
+            # An exec probe runs inside the container (podman exec): the file is the image's.
+            "readiness": {
+                "exec": {"argv": ["cat", "/www/ready"]},
+                "period_seconds": 0.2,
+                "timeout_seconds": 10,
+            },
             "stop_grace_seconds": 30,
         },
     }
