@@ -93,8 +93,8 @@ class SlotCdiSpecs:
     def remove_stale(self, held: Iterable[str]) -> list[str]:
         """Remove the specs and slot files of slots not in ``held``; the slot ids removed."""
         held = set(held)
-        keep = held | (set(DEVICE_KEYS) if self.device_specs else set())
-        removed = self.specs.remove_except(keep)
+        keep = held | set(DEVICE_KEYS)
+        removed = self.specs.remove_except(keep, owned=self._owned)
         try:
             names = os.listdir(self.slot_files)
         except FileNotFoundError:
@@ -103,6 +103,16 @@ class SlotCdiSpecs:
             if name.endswith(".json") and name[: -len(".json")] not in held:
                 (self.slot_files / name).unlink(missing_ok=True)
         return removed
+
+    def _owned(self, spec: Mapping[str, Any]) -> bool:
+        """A spec this agent wrote: it mounts a slot file from this agent's directory (another
+        agent's, sharing the CDI directory and prefix, mounts its own)."""
+        mine = str(self.slot_files) + os.sep
+        for device in spec.get("devices", ()):
+            for mount in device.get("containerEdits", {}).get("mounts", ()):
+                if str(mount.get("hostPath", "")).startswith(mine):
+                    return True
+        return False
 
     def write_device_specs(self, topology: Topology) -> list[Path]:
         """``nodeagent.io/gpu`` and ``nodeagent.io/fpga`` specs for the devices discovered (when

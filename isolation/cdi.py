@@ -31,10 +31,12 @@ Rules from the CDI specification (SPEC.md of cncf-tags/container-device-interfac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ DEFAULT_PREFIX = "nodeagent-slot-"
 #: Where a container finds its slot description (``NODEAGENT_SLOT_FILE`` inside it).
 CONTAINER_SLOT_FILE = "/run/nodeagent/slot.json"
 
+#: A temporary file this old is a write that died (a write takes well under a millisecond).
+STRAY_SECONDS = 60.0
 #: CDI versions in order, and the first one that has each feature the agent may use.
 CDI_VERSIONS = ("0.3.0", "0.4.0", "0.5.0")
 _MOUNT_TYPE_VERSION = "0.4.0"  # Mount.type
@@ -228,20 +232,35 @@ class CdiSpecDir:
             if name.startswith(self.prefix) and name.endswith(".json")
         }
 
-    def remove_except(self, keep: Iterable[str]) -> list[str]:
-        """Remove the agent's files whose key is not in ``keep`` (and its stray temporary files);
-        the keys removed, sorted."""
+    def remove_except(
+        self, keep: Iterable[str], owned: Callable[[dict[str, Any]], bool] | None = None
+    ) -> list[str]:
+        """Remove the agent's files whose key is not in ``keep``, and stray temporary files older
+        than a minute (a write that died; a younger one may be a write under way); the keys
+        removed, sorted. ``owned``: only files it accepts are removed, so that two agents sharing
+        a directory and a prefix do not remove each other's."""
         keep = set(keep)
-        stale = sorted(self.keys() - keep)
-        for key in stale:
-            self.remove(key)
+        stale = []
+        for key in sorted(self.keys() - keep):
+            if owned is not None:
+                try:
+                    spec = self.read(key)
+                except KernelError:
+                    continue  # not readable as a spec: not provably ours
+                if spec is None or not owned(spec):
+                    continue
+            if self.remove(key):
+                stale.append(key)
         try:
-            names = os.listdir(self.directory)
+            entries = list(os.scandir(self.directory))
         except OSError:
-            names = []
-        for name in names:
-            if name.startswith(f".{self.prefix}") and name.endswith(".json.tmp"):
-                Path(self.directory, name).unlink(missing_ok=True)
+            entries = []
+        old = time.time() - STRAY_SECONDS
+        for entry in entries:
+            if entry.name.startswith(f".{self.prefix}") and entry.name.endswith(".json.tmp"):
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_mtime < old:
+                        os.unlink(entry.path)
         return stale
 
 

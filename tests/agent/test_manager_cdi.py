@@ -5,6 +5,7 @@ slot the agent does not hold survives a crash)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -127,12 +128,21 @@ def test_start_removes_the_specs_of_slots_it_does_not_hold(
     cdi.specs.write(stale, manager_spec := json.loads(cdi.specs.path_for(kept.id).read_text()))
     assert manager_spec
     cdi.slot_file(stale).write_text("{}")
-    (cdi.specs.directory / f".{cdi.specs.prefix}{stale}.json.tmp").write_text("{")
+    stray = cdi.specs.directory / f".{cdi.specs.prefix}{stale}.json.tmp"
+    stray.write_text("{")
+    os.utime(stray, (1, 1))
+    # Another agent's spec, same directory and prefix: it mounts a slot file of its own state.
+    foreign = json.loads(cdi.specs.path_for(kept.id).read_text())
+    foreign["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] = (
+        "/var/lib/other-agent/cdi/s0000000f0e1.json"
+    )
+    foreign["devices"] = foreign["devices"][:1]
+    cdi.specs.write("s0000000f0e1", foreign)
     cdi.specs.remove(kept.id)  # and a held slot's spec lost: written again
     again = make()
-    assert cdi.specs.keys() == {kept.id}
+    assert cdi.specs.keys() == {kept.id, "s0000000f0e1"}
     assert not cdi.slot_file(stale).exists()
-    assert sorted(p.name for p in cdi.specs.directory.iterdir()) == [cdi.specs.path_for(kept.id).name]
+    assert not stray.exists()
     assert again.report is not None
     assert again.report.cdi_removed == [stale]
 

@@ -140,9 +140,19 @@ def test_the_spec_directory_writes_atomically_lists_and_removes_only_its_own(tmp
     foreign.write_text("{}")
     stray = tmp_path / "cdi" / ".nodeagent-slot-s222222222222.json.tmp"  # a write the agent died in
     stray.write_text("{")
+    os.utime(stray, (1, 1))
+    under_way = tmp_path / "cdi" / ".nodeagent-slot-s333333333333.json.tmp"  # another's, being written
+    under_way.write_text("{")
     assert directory.keys() == {"s0123456789ab", "s111111111111"}
     assert directory.remove_except({"s0123456789ab"}) == ["s111111111111"]
-    assert sorted(p.name for p in (tmp_path / "cdi").iterdir()) == [path.name, "vendor.json"]
+    assert sorted(p.name for p in (tmp_path / "cdi").iterdir()) == [under_way.name, path.name, "vendor.json"]
+    under_way.unlink()
+    # With an owner test, a file of another agent (same directory, same prefix) stays.
+    directory.write(
+        "s444444444444", {"devices": [{"containerEdits": {"mounts": [{"hostPath": "/other/x"}]}}]}
+    )
+    assert directory.remove_except({"s0123456789ab"}, owned=lambda spec: False) == []
+    assert directory.remove_except({"s0123456789ab"}, owned=lambda spec: True) == ["s444444444444"]
     assert directory.remove("s0123456789ab") is True
     assert directory.remove("s0123456789ab") is False
     assert directory.read("s0123456789ab") is None
