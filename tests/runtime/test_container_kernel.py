@@ -186,6 +186,13 @@ def test_a_container_worker_lives_in_its_slot_and_leaves_nothing(daemon: DaemonP
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert f"NODEAGENT_SLOT_ID={slot_id}".encode() in environ
     assert b"OMP_NUM_THREADS=1" in environ
+    described = subprocess.run(
+        ["podman", "exec", container_name(slot_id), "cat", "/run/nodeagent/slot.json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(described.stdout)["slot_id"] == slot_id  # the slot file, readable by the slot's uid
 
     # Its processes are in cgroups below the slot's, in every hierarchy, and on the slot's CPU.
     paths = cgroups_of(pid)
