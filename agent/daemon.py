@@ -57,7 +57,7 @@ from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
 from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.isolation.spec import IsolatorConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient
@@ -210,7 +210,7 @@ def build_isolation(
     if reserved is None:
         reserved = placement_index(topology).default_reserved()
     iso = config.isolation
-    isolation = IsolationConfig(
+    isolation = IsolatorConfig(
         cgroup_parent=iso.cgroup_parent if layout is None else layout.parent,
         reserved_cpus=reserved,
         network=SlotNetworkConfig(

@@ -29,6 +29,7 @@ from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
 from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.runtime.podman_facts import PodmanFacts, podman_facts
 
 Status = Literal["OK", "WARN", "FAIL"]
 REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")
@@ -73,37 +74,6 @@ def _default_sandbox_probe() -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class PodmanFacts:
-    """What ``podman info`` says about the host's container engine."""
-
-    version: str
-    runtime: str
-    runtime_version: str
-    cgroup_manager: str
-
-
-def _default_podman_probe(podman: str) -> PodmanFacts:
-    """``podman info`` (about 0.1-0.3 s); raises OSError or ValueError when podman cannot answer."""
-    import json  # noqa: PLC0415 - only here
-    import subprocess  # noqa: PLC0415 - only here
-
-    done = subprocess.run(
-        [podman, "info", "--format", "json"], capture_output=True, text=True, timeout=30, check=False
-    )
-    if done.returncode != 0:
-        raise ValueError(done.stderr.strip() or f"podman info exited with {done.returncode}")
-    info = json.loads(done.stdout)
-    host = info.get("host", {})
-    runtime = host.get("ociRuntime", {})
-    return PodmanFacts(
-        version=str(info.get("version", {}).get("Version", "?")),
-        runtime=str(runtime.get("name", "?")),
-        runtime_version=str(runtime.get("version", "?")).splitlines()[0] if runtime.get("version") else "?",
-        cgroup_manager=str(host.get("cgroupManager", "?")),
-    )
-
-
-@dataclass(frozen=True)
 class HostRoots:
     """Where the host's interfaces are, plus the probes that go beyond reading files."""
 
@@ -115,7 +85,7 @@ class HostRoots:
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
     firewall_probe: Callable[[], str | None] = _default_firewall_probe
     sandbox_probe: Callable[[], dict[str, str]] = _default_sandbox_probe
-    podman_probe: Callable[[str], PodmanFacts] = _default_podman_probe
+    podman_probe: Callable[[str], PodmanFacts] = podman_facts
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas

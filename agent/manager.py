@@ -52,23 +52,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent import __version__
 from nodeagent.agent.cdi import SlotCdiSpecs, try_cdi
-from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
+from nodeagent.agent.reconcile import ReconcileReport, reconcile
+from nodeagent.agent.recovery import RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
-from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
-from nodeagent.agent.translate import (
-    assignment_of,
-    isolation_spec,
-    runs_containers,
-    slot_description,
-    slot_from_kernel,
-)
+from nodeagent.agent.state import StateStore
+from nodeagent.agent.translate import assignment_of, isolation_spec, runs_containers, slot_description
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -77,9 +71,8 @@ from nodeagent.errors import (
     NodeAgentError,
     NotFound,
     Unsupported,
-    WorkerError,
 )
-from nodeagent.isolation.backend import IsolationBackend, OwnedSlot
+from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
@@ -93,41 +86,11 @@ from nodeagent.placement import (
 from nodeagent.runtime.presets import resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
-from nodeagent.runtime.workers import Readoption, WorkerRuntime
+from nodeagent.runtime.workers import WorkerRuntime
 from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch
 from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.manager")
-
-
-# =========================================================================== reconcile report
-
-
-@dataclass
-class ReconcileReport:
-    """What start-up reconciliation did; logged and stored as events."""
-
-    recovered: list[str] = field(default_factory=list)
-    finished_pending: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    finished_releasing: list[str] = field(default_factory=list)
-    recreated: list[str] = field(default_factory=list)
-    orphans_removed: list[str] = field(default_factory=list)
-    workers_adopted: list[str] = field(default_factory=list)
-    workers_exited: list[str] = field(default_factory=list)
-    workers_started: list[str] = field(default_factory=list)
-    #: CDI specs of slots the agent does not hold (by slot id), removed
-    cdi_removed: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def summary(self) -> str:
-        parts = [
-            f"{len(v)} {k.replace('_', ' ')}" for k, v in self.to_dict().items() if isinstance(v, list) and v
-        ]
-        return ", ".join(parts) if parts else "nothing to do"
 
 
 # =========================================================================== helpers
@@ -720,141 +683,8 @@ class SlotManager:
     # ------------------------------------------------------------------ reconcile
 
     def reconcile(self, *, restart_workers: frozenset[str] = frozenset()) -> ReconcileReport:
-        """Bring database and kernel into agreement after a start (see the module docstring)."""
-        began = time.monotonic()
-        report = ReconcileReport()
-        with self._lock:
-            self._ready = False
-            self._host_ready = False
-            isolated = self._isolation.isolates
-            if isolated:
-                self._account_for_busy_slots(report)
-                # Orphans first: a leftover shared-slot cgroup (say of a slot that failed mid-rollback)
-                # would otherwise make the pool impossible to set up before anything else can run.
-                known = {s.id for s in self._store.list_slots() if s.holding}
-                report.orphans_removed += self._isolation.remove_orphans(known)
-                self._isolation.prepare()
-            self._ledger = self._build_ledger(report)
-            # After a crash the record on disk says what the last agent changed; the slots that
-            # exist now say what must stay confined: the host is made to match them, in one pass.
-            self._host_ready = True
-            if self._host is not None:
-                self._host.partition(self._ledger.cpus)
-            for slot in self._store.list_slots():
-                if slot.state == SlotState.RELEASING:
-                    self._finish_release(slot)
-                    report.finished_releasing.append(slot.name)
-            if isolated:
-                keep = {s.id for s in self._store.list_slots() if s.holding}
-                report.orphans_removed += self._isolation.remove_orphans(keep)
-            for slot in self._store.list_slots():
-                self._reconcile_slot(slot, report)
-            self._reconcile_cdi(report)
-            for slot in self._store.list_slots():
-                self._reconcile_worker(slot, report, restart=slot.id in restart_workers)
-            report.seconds = time.monotonic() - began
-            self.report = report
-            self._store.add_event("reconcile", report.summary())
-            self._ready = True
-        log.info("reconcile done", extra={"report": report.to_dict()})
-        self._notify()
-        return report
-
-    def _account_for_busy_slots(self, report: ReconcileReport) -> None:
-        """Refuse to start, or rebuild, where the kernel runs slots the database does not name."""
-        owned = {o.slot_id: o for o in self._isolation.owned_slots()}
-        evidence = Evidence(busy={o.slot_id: o.pids for o in owned.values() if o.pids}, cgroups=owned.keys())
-        known = {s.id for s in self._store.list_slots()}
-        decision = decide(evidence, known, self._recovery, self._store.path)
-        for slot_id in decision.rebuild:
-            self._rebuild(owned[slot_id], report)
-        if decision.discard:
-            log.warning("discarding unexplained slots", extra={"slots": list(decision.discard)})
-
-    def _rebuild(self, owned: OwnedSlot, report: ReconcileReport) -> None:
-        """A slot the database lost, back from its manifest, or from its cgroup when it has none."""
-        manifest = self._store.manifests.read(owned.slot_id) if self._store.manifests else None
-        worker = None
-        try:
-            if manifest is not None:
-                slot = slot_from_record(manifest)
-                stored = manifest.get("worker")
-                worker = None if stored is None else worker_from_record(slot.id, stored)
-                how = "from its manifest"
-            else:
-                slot = slot_from_kernel(owned)
-                how = "from its cgroup (no manifest: its worker is unsupervised; release the slot to end it)"
-        except (NodeAgentError, KeyError, TypeError, ValueError) as err:
-            slot = slot_from_kernel(owned)
-            how = f"from its cgroup (its manifest is unreadable: {err})"
-        with self._store.transaction():
-            self._store.insert_slot(slot)
-            if worker is not None:
-                self._store.put_worker(worker)
-            self._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
-        report.recovered.append(slot.name)
-        log.warning("slot recovered", extra={"slot": slot.id, "how": how})
-
-    def _build_ledger(self, report: ReconcileReport) -> Allocated:
-        ledger = Allocated()
-        for slot in self._store.list_slots():
-            if not slot.holding or slot.assignment is None:
-                continue
-            try:
-                ledger = ledger.add(slot.assignment)
-            except (Conflict, InvalidRequest) as err:
-                # Cannot happen through this manager; if the database says so anyway, the later slot yields.
-                self._ledger = ledger
-                self._fail(dataclasses.replace(slot, state=SlotState.FAILED), f"on start: {err}")
-                report.failed.append(slot.name)
-        return ledger
-
-    def _reconcile_slot(self, slot: Slot, report: ReconcileReport) -> None:
-        if slot.state == SlotState.PENDING:
-            try:
-                self._finish_pending(slot)
-                report.finished_pending.append(slot.name)
-            except NodeAgentError:
-                report.failed.append(slot.name)
-        elif slot.state in (SlotState.READY, SlotState.RUNNING) and self._cgroup_vanished(slot):
-            try:
-                self._finish_pending(dataclasses.replace(slot, state=SlotState.PENDING))
-                report.recreated.append(slot.name)
-                self._store.add_event("recreate", "its cgroup had vanished; isolation re-applied", slot.id)
-            except NodeAgentError:
-                report.failed.append(slot.name)
-
-    def _cgroup_vanished(self, slot: Slot) -> bool:
-        if not self._isolation.isolates:
-            return False
-        return slot.applied is None or not self._isolation.exists(slot.applied)
-
-    def _reconcile_worker(self, slot: Slot, report: ReconcileReport, *, restart: bool = False) -> None:
-        worker = self._store.get_worker(slot.id)
-        if worker is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
-            return
-        try:
-            supervisor = self._make_supervisor(slot, worker.spec)
-        except (InvalidRequest, WorkerError) as err:
-            self._store.add_event("worker", f"cannot supervise the stored worker: {err}", slot.id)
-            return
-        found = self._runtime.readopt(slot.id, supervisor)
-        if found is Readoption.ADOPTED:
-            report.workers_adopted.append(slot.name)
-        elif found is Readoption.EXITED:
-            report.workers_exited.append(slot.name)
-        if found is not Readoption.NONE and worker.desired == "stopped":
-            supervisor.stop()
-        elif found is Readoption.NONE and worker.desired == "running":
-            supervisor.start()
-            report.workers_started.append(slot.name)
-        elif found is Readoption.EXITED and worker.desired == "running" and restart:
-            # Stopped by the last agent because it was stopped, not by its own doing or the user's:
-            # it comes back with the agent, whatever its restart policy says of an exit.
-            supervisor.start()
-            report.workers_started.append(slot.name)
-        self._loop.add(slot.id, supervisor)
-        self._record_status(slot.id, supervisor.status())
+        """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
+        return reconcile(self, restart_workers=restart_workers)
 
     def _reconcile_cdi(self, report: ReconcileReport) -> None:
         """No spec of a slot the agent does not hold survives a start; every held one is written

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a 
 from nodeagent.cgroups import detect
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.isolation.spec import IsolatorConfig
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}cli.slice"
@@ -67,7 +67,7 @@ def config_text() -> str:
 def remove_bench_cgroups() -> None:
     """The bench's cgroup parent and anything left under it (kills what runs there)."""
     network = SlotNetworkConfig(netns_prefix=NETNS_PREFIX, veth_prefix=VETH_PREFIX)
-    SlotIsolator(detect(), IsolationConfig(cgroup_parent=PARENT, network=network)).remove_all()
+    SlotIsolator(detect(), IsolatorConfig(cgroup_parent=PARENT, network=network)).remove_all()
 
 
 @contextlib.contextmanager

@@ -50,13 +50,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeagent.cgroups import Resources, detect, open_manager
+from nodeagent.cgroups import CgroupLimits, detect, open_manager
 from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, Sample, decide
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -379,7 +379,7 @@ def squeeze(bench: Bench, with_loop: bool, tmp: Path) -> dict[str, float | int |
     host = bench.isolator.host
     parent = open_manager(host, bench.isolator.hierarchy.parent)
     node = bench.args.node_mib * MiB
-    parent.set(Resources(memory_max=node))
+    parent.set(CgroupLimits(memory_max=node))
     proc = tmp / ("proc-loop" if with_loop else "proc-weights")
     proc.mkdir()
     for name in ("stat", "pressure"):
@@ -424,7 +424,7 @@ def squeeze(bench: Bench, with_loop: bool, tmp: Path) -> dict[str, float | int |
         hog_ended = hog.poll()
         hog.kill()
         hog.wait()
-        parent.set(Resources(memory_max=-1))
+        parent.set(CgroupLimits(memory_max=-1))
     online_alive = bench_online_alive(bench)
     throttles = 0 if loop is None else sum(a.kind == "memory_throttle" for a in loop.actions)
     return {
@@ -485,7 +485,7 @@ def main() -> None:
     network = SlotNetworkConfig(netns_prefix=f"{tag}-", veth_prefix=tag, nft_table=f"{tag}-fw")
     isolator = SlotIsolator(
         detect(),
-        IsolationConfig(
+        IsolatorConfig(
             cgroup_parent=f"natestbench{os.getpid()}.slice",
             network=network,
             resctrl_prefix=f"{tag}-",

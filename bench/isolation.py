@@ -52,7 +52,7 @@ from nodeagent.isolation.host import PARTS, HostPartitioner
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import host_partitioner
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 SCENARIOS = ("alone", "no isolation", "isolated", "host noise", "host partitioned", "alone partitioned")
@@ -228,7 +228,7 @@ def main() -> None:
     tag = f"nabench{os.getpid() % 10000}"
     network = SlotNetworkConfig(netns_prefix=f"{tag}-", veth_prefix=tag, nft_table=f"{tag}-fw")
     parent = f"natestbench{os.getpid()}.slice"
-    isolator = SlotIsolator(detect(), IsolationConfig(cgroup_parent=parent, network=network))
+    isolator = SlotIsolator(detect(), IsolatorConfig(cgroup_parent=parent, network=network))
     results: dict[str, list[list[float]]] = {s: [] for s in SCENARIOS}
     foreign: dict[str, list[float]] = {s: [] for s in HOST_SCENARIOS}
     state = Path(tempfile.mkdtemp(prefix="nodeagent-bench-"))

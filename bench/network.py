@@ -22,13 +22,13 @@ from collections.abc import Callable
 from nodeagent.isolation.firewall import NftFirewall
 from nodeagent.isolation.network import (
     HostPort,
-    IpBatchBackend,
     NetworkBackend,
     Pyroute2Backend,
     SlotAccess,
     SlotNetworkConfig,
     plan_slot_network,
 )
+from nodeagent.isolation.network_ipbatch import IpBatchBackend
 
 VARIANTS: dict[str, SlotAccess | None] = {
     "no firewall": None,

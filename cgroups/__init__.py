@@ -8,7 +8,7 @@ Public API (everything else is internal)::
     ensure_parents(host, layout)                   # the agent parent + burstable/ + best-effort/
     m = open_manager(host, layout.slot_path("web", "burstable"))   # -> CgroupManager (V1Manager|V2Manager)
     m.create()                                     # idempotent, creates missing ancestors
-    m.set(Resources(cpuset_cpus=frozenset({2, 3}), cpu_weight=200, memory_max=1 << 30, pids_max=512))
+    m.set(CgroupLimits(cpuset_cpus=frozenset({2, 3}), cpu_weight=200, memory_max=1 << 30, pids_max=512))
     m.add_pid(pid); m.procs(); m.procs_files()     # procs_files: each cgroup.procs a launcher joins
     m.freeze(timeout); m.thaw(); m.kill(timeout)   # kill: cgroup.kill, else freeze + SIGKILL until empty
     m.stats() -> CgroupStats; m.oom_events() -> OomEvents; m.oom_watcher() -> OomWatcher (fileno, wait)
@@ -36,13 +36,14 @@ from nodeagent.cgroups.detect import CgroupHost, detect
 from nodeagent.cgroups.hierarchy import DEFAULT_PARENT, Hierarchy, QosClass, ensure_parents, list_owned
 from nodeagent.cgroups.manager import apply_device_rules, open_manager, remove_subtree
 from nodeagent.cgroups.oom import OomWatcher
-from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources
+from nodeagent.cgroups.resources import UNLIMITED, CgroupLimits, CgroupStats, OomEvents
 from nodeagent.cgroups.rules import DeviceRule
 
 __all__ = [
     "DEFAULT_PARENT",
     "UNLIMITED",
     "CgroupHost",
+    "CgroupLimits",
     "CgroupManager",
     "CgroupStats",
     "DeviceRule",
@@ -50,7 +51,6 @@ __all__ = [
     "OomEvents",
     "OomWatcher",
     "QosClass",
-    "Resources",
     "apply_device_rules",
     "detect",
     "ensure_parents",

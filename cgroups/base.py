@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nodeagent.cgroups import fs
 from nodeagent.cgroups.oom import OomWatcher
-from nodeagent.cgroups.resources import CgroupStats, OomEvents, Resources
+from nodeagent.cgroups.resources import CgroupLimits, CgroupStats, OomEvents
 from nodeagent.cgroups.rules import DeviceRule
 from nodeagent.errors import CgroupError
 
@@ -59,7 +59,7 @@ class CgroupManager(ABC):
         """
 
     @abstractmethod
-    def set(self, resources: Resources) -> None:
+    def set(self, resources: CgroupLimits) -> None:
         """Apply every non-None field of ``resources``."""
 
     def add_pid(self, pid: int) -> None:

@@ -14,7 +14,7 @@ CPU_SHARES_MIN, CPU_SHARES_MAX, CPU_SHARES_DEFAULT = 2, 262144, 1024
 
 
 @dataclass(frozen=True)
-class Resources:
+class CgroupLimits:
     """What to set on a cgroup. ``None`` leaves a setting as it is; :data:`UNLIMITED` lifts a limit.
 
     Units are v2's; the v1 manager converts (``cpu_weight`` to cpu.shares, ``memory_swap_max`` to

@@ -10,7 +10,7 @@ from nodeagent.cgroups import fs
 from nodeagent.cgroups.base import CgroupManager, wait_until
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.oom import EventfdOomWatcher, OomWatcher
-from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources, weight_to_shares
+from nodeagent.cgroups.resources import UNLIMITED, CgroupLimits, CgroupStats, OomEvents, weight_to_shares
 from nodeagent.cgroups.rules import DeviceRule, normalize, parse_devices_list, plan_v1
 from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import CgroupError, Unsupported
@@ -63,7 +63,7 @@ class V1Manager(CgroupManager):
                 if own and cpus is not None:
                     fs.write_file(mount, fs.join(rel, "cpuset.cpus"), format_cpulist(cpus))
 
-    def set(self, resources: Resources) -> None:
+    def set(self, resources: CgroupLimits) -> None:
         r = resources
         if r.cpuset_cpus is not None:
             self._write("cpuset", "cpuset.cpus", format_cpulist(r.cpuset_cpus))
@@ -88,7 +88,7 @@ class V1Manager(CgroupManager):
         if not self._has_file(controller, name):
             raise Unsupported(f"{name} is not available for cgroup {self.relpath}: {why}")
 
-    def _set_memory(self, r: Resources) -> None:
+    def _set_memory(self, r: CgroupLimits) -> None:
         if r.memory_high is not None:
             # v1 has no memory.high; the soft limit is what reclaim aims for under pressure.
             self._write("memory", "memory.soft_limit_in_bytes", r.memory_high)

@@ -10,7 +10,7 @@ from nodeagent.cgroups import bpf, fs
 from nodeagent.cgroups.base import CgroupManager, wait_until
 from nodeagent.cgroups.detect import V2_CONTROLLERS, CgroupHost
 from nodeagent.cgroups.oom import MemoryEventsWatcher, OomWatcher
-from nodeagent.cgroups.resources import UNLIMITED, CgroupStats, OomEvents, Resources
+from nodeagent.cgroups.resources import UNLIMITED, CgroupLimits, CgroupStats, OomEvents
 from nodeagent.cgroups.rules import DeviceRule
 from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import CgroupError, Unsupported
@@ -88,7 +88,7 @@ class V2Manager(CgroupManager):
         for controller in sorted((available & self._wanted) - enabled):
             fs.write_file(self._mount, fs.join(rel, "cgroup.subtree_control"), f"+{controller}")
 
-    def set(self, resources: Resources) -> None:
+    def set(self, resources: CgroupLimits) -> None:
         r = resources
         if r.cpuset_cpus is not None:
             self._write("cpuset.cpus", format_cpulist(r.cpuset_cpus))

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.cgroups import UNLIMITED, CgroupHost, Hierarchy, Resources, open_manager
+from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
@@ -278,10 +278,10 @@ class Actuator:
         elif kind == "slot_cpu_quota":
             period = self.isolator.config.qos.cfs_period_us
             quota = UNLIMITED if action.quota_cpus is None else quota_us(action.quota_cpus, period)
-            self._set_slot(action, Resources(cpu_quota_us=quota, cpu_period_us=period))
+            self._set_slot(action, CgroupLimits(cpu_quota_us=quota, cpu_period_us=period))
         elif kind in ("memory_throttle", "memory_unthrottle"):
             high = UNLIMITED if action.memory_high is None else action.memory_high
-            self._set_slot(action, Resources(memory_high=high))
+            self._set_slot(action, CgroupLimits(memory_high=high))
         else:
             raise AssertionError(f"the agent carries out {kind}, not the actuator")
 
@@ -293,7 +293,7 @@ class Actuator:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
 
-    def _set_slot(self, action: Action, resources: Resources) -> None:
+    def _set_slot(self, action: Action, resources: CgroupLimits) -> None:
         assert action.slot_id is not None
         manager = open_manager(self.host, self.hierarchy.slot_path(action.slot_id, "best-effort"))
         try:

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.cgroups import CgroupHost, Hierarchy, Resources, open_manager
+from nodeagent.cgroups import CgroupHost, CgroupLimits, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.cpulist import parse_cpulist
@@ -211,7 +211,7 @@ class SharedPool:
             groups += self._below(relpath, target)
         groups.append(CpusetGroup(best_effort, self.read_cpus(best_effort), best_effort_cpus))
         for relpath, cpus in plan_cpuset_writes(groups):
-            open_manager(self.host, relpath).set(Resources(cpuset_cpus=cpus))
+            open_manager(self.host, relpath).set(CgroupLimits(cpuset_cpus=cpus))
         return pool
 
     def follow(self, relpath: str, cpus: frozenset[int]) -> None:
@@ -219,7 +219,7 @@ class SharedPool:
         runtime made below it, in an order v1 accepts."""
         groups = [CpusetGroup(relpath, self.read_cpus(relpath), cpus), *self._below(relpath, cpus)]
         for path, target in plan_cpuset_writes(groups):
-            open_manager(self.host, path).set(Resources(cpuset_cpus=target))
+            open_manager(self.host, path).set(CgroupLimits(cpuset_cpus=target))
 
     def _below(self, relpath: str, target: frozenset[int]) -> list[CpusetGroup]:
         """The cgroups below a slot's (a container worker's: ``libpod-<id>``, ``conmon``), which

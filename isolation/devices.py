@@ -23,7 +23,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
-    from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+    from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 
 SLOT_ACCESS = "rw"
 #: The standard nodes the sandbox makes with mknod (see the module docstring).
@@ -103,7 +103,7 @@ def resolve_device_nodes(
     return tuple(found)
 
 
-def slot_device_rules(spec: SlotIsolationSpec, config: IsolationConfig) -> tuple[DeviceRule, ...]:
+def slot_device_rules(spec: SlotIsolationSpec, config: IsolatorConfig) -> tuple[DeviceRule, ...]:
     """The allow-list of ``spec``'s slot, resolving its device paths on this host."""
     optional = config.gpu_control_nodes if spec.gpu else ()
     safe = (*config.safe_devices, *(CONTAINER_RUNTIME_DEVICES if spec.containers else ()))

@@ -33,9 +33,9 @@ from typing import Any
 from nodeagent.cgroups import (
     UNLIMITED,
     CgroupHost,
+    CgroupLimits,
     CgroupManager,
     QosClass,
-    Resources,
     apply_device_rules,
     ensure_parents,
     open_manager,
@@ -63,7 +63,7 @@ from nodeagent.isolation.network import (
 )
 from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters, quota_us
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]
@@ -171,9 +171,9 @@ class OwnedIsolation:
 
 def slot_resources(
     spec: SlotIsolationSpec, params: QosParameters, cpus: frozenset[int], *, swap_limit: bool
-) -> Resources:
-    """The cgroup settings for ``spec`` (pure): QoS parameters onto the managers' Resources."""
-    return Resources(
+) -> CgroupLimits:
+    """The cgroup settings for ``spec`` (pure): QoS parameters onto the managers' CgroupLimits."""
+    return CgroupLimits(
         cpuset_cpus=cpus,
         cpuset_mems=spec.mems,
         # The kernel refuses a weight on an idle group (EINVAL): idle already means "least".
@@ -208,13 +208,13 @@ class SlotIsolator:
     def __init__(
         self,
         host: CgroupHost,
-        config: IsolationConfig | None = None,
+        config: IsolatorConfig | None = None,
         network_backend: NetworkBackend | None = None,
         resctrl: Resctrl | None = None,
         layout: CpuLayout | None = None,
     ) -> None:
         self.host = host
-        self.config = config or IsolationConfig()
+        self.config = config or IsolatorConfig()
         self.hierarchy = self.config.hierarchy
         self._network = network_backend
         self._firewall_problem: str | None = None
@@ -286,7 +286,7 @@ class SlotIsolator:
             # cpu.idle works between siblings, so it is the class parent that must be idle for
             # best-effort to yield to burstable and guaranteed slots; a weight is refused once idle.
             idle = _has_file(best_effort, "cpu", "cpu.idle")
-            best_effort.set(Resources(cpu_idle=True) if idle else Resources(cpu_weight=1))
+            best_effort.set(CgroupLimits(cpu_idle=True) if idle else CgroupLimits(cpu_weight=1))
             self._ready = True
 
     def ensure_firewall(self) -> None:
@@ -340,7 +340,7 @@ class SlotIsolator:
             relpath = self.hierarchy.class_parent("best-effort")
             period = self.config.qos.cfs_period_us
             quota = UNLIMITED if quota_cpus is None else quota_us(quota_cpus, period)
-            open_manager(self.host, relpath).set(Resources(cpu_quota_us=quota, cpu_period_us=period))
+            open_manager(self.host, relpath).set(CgroupLimits(cpu_quota_us=quota, cpu_period_us=period))
             return self.pool.read_cpus(relpath)
 
     def list_owned(self) -> OwnedIsolation:
@@ -656,7 +656,7 @@ def _set_io_weight(manager: CgroupManager, weight: int) -> None:
     # An I/O weight needs the bfq scheduler or blk-iocost; without them the slot runs unweighted
     # (nodeagent doctor reports it), which is no reason to refuse the slot.
     with contextlib.suppress(Unsupported):
-        manager.set(Resources(io_weight=weight))
+        manager.set(CgroupLimits(io_weight=weight))
 
 
 def _interface_names() -> list[str]:

@@ -124,7 +124,7 @@ class SlotIsolationSpec:
 
 
 @dataclass(frozen=True)
-class IsolationConfig:
+class IsolatorConfig:
     """How this host isolates slots.
 
     ``reserved_cpus`` are for the system and the agent: no slot ever runs on them, so the agent's
@@ -171,7 +171,7 @@ class IsolationConfig:
 __all__ = [
     "Egress",
     "HostPort",
-    "IsolationConfig",
+    "IsolatorConfig",
     "SlotAccess",
     "SlotIsolationSpec",
     "SlotNetworkSpec",

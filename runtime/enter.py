@@ -215,6 +215,9 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
             bind_memory(req.mems)
         step = "setrlimit"
         set_rlimits(req.rlimits)
+        if req.oom_score_adj is not None:
+            step = "write /proc/self/oom_score_adj"
+            set_oom_score_adj(req.oom_score_adj)
         # Counted here, inside the slot, and before a sandbox changes what /sys/fs/cgroup shows.
         oom_kills = read_oom_kills(req.oom_events)
         argv = req.argv
@@ -289,6 +292,22 @@ def _fork_into_joined_pid_namespace(reports: tuple[int, int]) -> None:
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     os._exit(code if code >= 0 else 128 - code)
+
+
+def set_oom_score_adj(value: int) -> None:
+    """The OOM killer's bias for this process and what it execs (-1000..1000).
+
+    Raising it is always allowed; lowering it below what the process inherited needs
+    CAP_SYS_RESOURCE, which some hosts withhold even from root (containers, restricted VMs). There
+    the worker keeps the inherited value rather than fail to start: a guaranteed worker then has
+    the keeper's protection, not less."""
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(value).encode())
+    except PermissionError:
+        pass  # lowering refused (no CAP_SYS_RESOURCE): keep the inherited value
+    finally:
+        os.close(fd)
 
 
 def enter_slot_and_exec(

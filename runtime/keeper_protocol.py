@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 #: 2: launch requests carry the worker's sandbox; ``arm`` may ask for a pid namespace.
-PROTOCOL = 2
+#: 3: launch requests carry the slot's OOM score adjustment.
+PROTOCOL = 3
 SOCKET_NAME = "keeper.sock"
 LOCK_NAME = "keeper.lock"
 LOG_NAME = "keeper.log"

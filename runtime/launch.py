@@ -39,6 +39,9 @@ class SlotBinding:
     cgroup_procs: tuple[str, ...]
     netns: str | None = None
     oom_events: str | None = None
+    #: The slot's OOM score adjustment (its QoS class's), written before exec: without it a worker
+    #: inherits the keeper's, which is the agent unit's strong protection from the OOM killer.
+    oom_score_adj: int | None = None
     #: Bind memory with set_mempolicy too (cpuset.mems already confines it; this makes it strict
     #: for tasks that later leave the cpuset's control, and for v2 without the cpuset controller).
     bind_memory: bool = False
@@ -153,6 +156,7 @@ def build_launch_request(
         rlimits=dict(spec.rlimits),
         umask=spec.umask,
         oom_events=binding.oom_events,
+        oom_score_adj=binding.oom_score_adj,
         stop_grace_seconds=spec.stop_grace_seconds,
         sandbox=sandbox,
     )

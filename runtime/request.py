@@ -47,6 +47,9 @@ class LaunchRequest:
     umask: int = 0o022
     #: memory.oom_control (v1) or memory.events (v2) of the slot, so the keeper can tell an OOM kill.
     oom_events: str | None = None
+    #: Written to /proc/self/oom_score_adj before the identity switch (lowering it needs root);
+    #: None keeps what the keeper passed down.
+    oom_score_adj: int | None = None
     log_max_bytes: int = DEFAULT_MAX_BYTES
     log_backups: int = DEFAULT_BACKUPS
     #: Once the worker's main process exits, what is left in its cgroups gets SIGTERM, and SIGKILL

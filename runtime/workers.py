@@ -105,7 +105,10 @@ def slot_binding(applied: AppliedSlot | None) -> SlotBinding:
     if applied is None:
         return SlotBinding(cgroup_procs=())
     return SlotBinding(
-        cgroup_procs=applied.procs_files, netns=applied.netns_path, oom_events=applied.oom_events
+        cgroup_procs=applied.procs_files,
+        netns=applied.netns_path,
+        oom_events=applied.oom_events,
+        oom_score_adj=applied.oom_score_adj,
     )
 
 

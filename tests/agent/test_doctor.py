@@ -11,7 +11,6 @@ from click.testing import CliRunner
 from nodeagent.agent.doctor import (
     Check,
     HostRoots,
-    PodmanFacts,
     exit_code,
     overall,
     run_checks,
@@ -20,6 +19,7 @@ from nodeagent.agent.doctor import (
 )
 from nodeagent.cli.cmd_doctor import command
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState
+from nodeagent.runtime.podman_facts import PodmanFacts
 from tests.trees import write_tree
 
 ALL_CAPS = "000001ffffffffff"

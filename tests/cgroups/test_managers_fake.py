@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.cgroups import UNLIMITED, CgroupHost, DeviceRule, Resources, open_manager
+from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, DeviceRule, open_manager
 from nodeagent.cgroups.resources import shares_to_weight, weight_to_shares
 from nodeagent.errors import CgroupError, InvalidRequest, Unsupported
 from tests.trees import write_tree
@@ -88,19 +88,19 @@ def test_v1_create_with_cpus_never_shows_the_parents(tmp_path: Path) -> None:
     ("resources", "expected"),
     [
         pytest.param(
-            Resources(cpuset_cpus=frozenset({0, 1, 2, 5})), {"cpuset/cpuset.cpus": "0-2,5"}, id="cpuset"
+            CgroupLimits(cpuset_cpus=frozenset({0, 1, 2, 5})), {"cpuset/cpuset.cpus": "0-2,5"}, id="cpuset"
         ),
-        pytest.param(Resources(cpu_weight=100), {"cpu/cpu.shares": "1024"}, id="weight-default"),
-        pytest.param(Resources(cpu_weight=1), {"cpu/cpu.shares": "10"}, id="weight-min"),
+        pytest.param(CgroupLimits(cpu_weight=100), {"cpu/cpu.shares": "1024"}, id="weight-default"),
+        pytest.param(CgroupLimits(cpu_weight=1), {"cpu/cpu.shares": "10"}, id="weight-min"),
         pytest.param(
-            Resources(cpu_quota_us=20000, cpu_period_us=100000),
+            CgroupLimits(cpu_quota_us=20000, cpu_period_us=100000),
             {"cpu/cpu.cfs_quota_us": "20000", "cpu/cpu.cfs_period_us": "100000"},
             id="quota",
         ),
-        pytest.param(Resources(cpu_quota_us=UNLIMITED), {"cpu/cpu.cfs_quota_us": "-1"}, id="no-quota"),
-        pytest.param(Resources(cpu_idle=True), {"cpu/cpu.idle": "1"}, id="idle"),
+        pytest.param(CgroupLimits(cpu_quota_us=UNLIMITED), {"cpu/cpu.cfs_quota_us": "-1"}, id="no-quota"),
+        pytest.param(CgroupLimits(cpu_idle=True), {"cpu/cpu.idle": "1"}, id="idle"),
         pytest.param(
-            Resources(memory_max=1 << 30, memory_swap_max=0),
+            CgroupLimits(memory_max=1 << 30, memory_swap_max=0),
             {
                 "memory/memory.limit_in_bytes": str(1 << 30),
                 "memory/memory.memsw.limit_in_bytes": str(1 << 30),
@@ -108,13 +108,17 @@ def test_v1_create_with_cpus_never_shows_the_parents(tmp_path: Path) -> None:
             id="memory-no-swap",
         ),
         pytest.param(
-            Resources(memory_high=1 << 29), {"memory/memory.soft_limit_in_bytes": str(1 << 29)}, id="high"
+            CgroupLimits(memory_high=1 << 29), {"memory/memory.soft_limit_in_bytes": str(1 << 29)}, id="high"
         ),
-        pytest.param(Resources(pids_max=UNLIMITED), {"pids/pids.max": "max"}, id="pids-unlimited"),
-        pytest.param(Resources(io_weight=5000), {"blkio/blkio.bfq.weight": "1000"}, id="io-weight-clamped"),
+        pytest.param(CgroupLimits(pids_max=UNLIMITED), {"pids/pids.max": "max"}, id="pids-unlimited"),
+        pytest.param(
+            CgroupLimits(io_weight=5000), {"blkio/blkio.bfq.weight": "1000"}, id="io-weight-clamped"
+        ),
     ],
 )
-def test_v1_set_writes_the_v1_files(tmp_path: Path, resources: Resources, expected: dict[str, str]) -> None:
+def test_v1_set_writes_the_v1_files(
+    tmp_path: Path, resources: CgroupLimits, expected: dict[str, str]
+) -> None:
     host = v1_tree(tmp_path, {f"cpu/{SLOT}/cpu.idle": "0\n"})
     open_manager(host, SLOT).set(resources)
     for rel, value in expected.items():
@@ -126,7 +130,7 @@ def test_v1_swap_without_swap_accounting_is_unsupported(tmp_path: Path) -> None:
     host = v1_tree(tmp_path)
     (tmp_path / "memory" / SLOT / "memory.memsw.limit_in_bytes").unlink()
     with pytest.raises(Unsupported, match="swapaccount"):
-        open_manager(host, SLOT).set(Resources(memory_max=1 << 30, memory_swap_max=0))
+        open_manager(host, SLOT).set(CgroupLimits(memory_max=1 << 30, memory_swap_max=0))
 
 
 def test_v1_stats_read_every_hierarchy(tmp_path: Path) -> None:
@@ -199,25 +203,25 @@ def test_v2_create_does_not_touch_levels_above_a_delegated_subtree(tmp_path: Pat
 @pytest.mark.parametrize(
     ("resources", "expected"),
     [
-        pytest.param(Resources(cpu_weight=250), {"cpu.weight": "250"}, id="weight"),
-        pytest.param(Resources(cpu_quota_us=50000), {"cpu.max": "50000 100000"}, id="quota-keeps-period"),
-        pytest.param(Resources(cpu_period_us=20000), {"cpu.max": "max 20000"}, id="period-keeps-quota"),
+        pytest.param(CgroupLimits(cpu_weight=250), {"cpu.weight": "250"}, id="weight"),
+        pytest.param(CgroupLimits(cpu_quota_us=50000), {"cpu.max": "50000 100000"}, id="quota-keeps-period"),
+        pytest.param(CgroupLimits(cpu_period_us=20000), {"cpu.max": "max 20000"}, id="period-keeps-quota"),
         pytest.param(
-            Resources(cpu_quota_us=UNLIMITED, cpu_period_us=10000), {"cpu.max": "max 10000"}, id="max"
+            CgroupLimits(cpu_quota_us=UNLIMITED, cpu_period_us=10000), {"cpu.max": "max 10000"}, id="max"
         ),
-        pytest.param(Resources(cpuset_mems=frozenset({0, 1})), {"cpuset.mems": "0-1"}, id="mems"),
+        pytest.param(CgroupLimits(cpuset_mems=frozenset({0, 1})), {"cpuset.mems": "0-1"}, id="mems"),
         pytest.param(
-            Resources(memory_max=1 << 30, memory_high=1 << 29, memory_swap_max=0),
+            CgroupLimits(memory_max=1 << 30, memory_high=1 << 29, memory_swap_max=0),
             {"memory.max": str(1 << 30), "memory.high": str(1 << 29), "memory.swap.max": "0"},
             id="memory",
         ),
-        pytest.param(Resources(memory_max=UNLIMITED), {"memory.max": "max"}, id="memory-unlimited"),
-        pytest.param(Resources(pids_max=100), {"pids.max": "100"}, id="pids"),
-        pytest.param(Resources(io_weight=500), {"io.weight": "default 500"}, id="io-weight"),
+        pytest.param(CgroupLimits(memory_max=UNLIMITED), {"memory.max": "max"}, id="memory-unlimited"),
+        pytest.param(CgroupLimits(pids_max=100), {"pids.max": "100"}, id="pids"),
+        pytest.param(CgroupLimits(io_weight=500), {"io.weight": "default 500"}, id="io-weight"),
     ],
 )
 def test_v2_set_writes_the_unified_files(
-    tmp_path: Path, resources: Resources, expected: dict[str, str]
+    tmp_path: Path, resources: CgroupLimits, expected: dict[str, str]
 ) -> None:
     open_manager(v2_tree(tmp_path), SLOT).set(resources)
     for name, value in expected.items():
@@ -226,7 +230,7 @@ def test_v2_set_writes_the_unified_files(
 
 def test_v2_missing_cpu_idle_is_unsupported(tmp_path: Path) -> None:
     with pytest.raises(Unsupported, match=r"cpu\.idle"):
-        open_manager(v2_tree(tmp_path), SLOT).set(Resources(cpu_idle=True))
+        open_manager(v2_tree(tmp_path), SLOT).set(CgroupLimits(cpu_idle=True))
 
 
 def test_v2_stats_and_oom_events(tmp_path: Path) -> None:
@@ -261,4 +265,4 @@ def test_weight_shares_mapping_keeps_defaults_aligned(weight: int, shares: int) 
 )
 def test_resources_are_validated(kwargs: dict[str, int]) -> None:
     with pytest.raises(InvalidRequest):
-        Resources(**kwargs)  # type: ignore[arg-type]
+        CgroupLimits(**kwargs)  # type: ignore[arg-type]

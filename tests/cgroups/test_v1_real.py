@@ -10,10 +10,10 @@ import pytest
 
 from nodeagent.cgroups import (
     CgroupHost,
+    CgroupLimits,
     CgroupManager,
     DeviceRule,
     Hierarchy,
-    Resources,
     apply_device_rules,
     detect,
     ensure_parents,
@@ -44,8 +44,8 @@ def test_this_host_is_detected_as_hybrid() -> None:
 def test_an_empty_cpuset_is_really_emptied(v1_group: CgroupManager) -> None:
     # "" is a zero-length write that the kernel never sees: the old CPUs would silently stay.
     v1_group.create()
-    v1_group.set(Resources(cpuset_cpus=frozenset({0})))
-    v1_group.set(Resources(cpuset_cpus=frozenset()))
+    v1_group.set(CgroupLimits(cpuset_cpus=frozenset({0})))
+    v1_group.set(CgroupLimits(cpuset_cpus=frozenset()))
     assert (v1_group.paths()["cpuset"] / "cpuset.cpus").read_text().strip() == ""
 
 
@@ -54,7 +54,7 @@ def test_lifecycle_create_set_add_stats_freeze_kill_delete(v1_group: CgroupManag
     v1_group.create()  # idempotent
     assert v1_group.exists()
     cpus = frozenset({0})
-    v1_group.set(Resources(cpuset_cpus=cpus, cpu_weight=200, cpu_quota_us=50_000, cpu_period_us=100_000,
+    v1_group.set(CgroupLimits(cpuset_cpus=cpus, cpu_weight=200, cpu_quota_us=50_000, cpu_period_us=100_000,
                            memory_max=256 * MiB, pids_max=64))  # fmt: skip
     paths = v1_group.paths()
     assert (paths["cpuset"] / "cpuset.cpus").read_text().strip() == "0"
@@ -91,9 +91,9 @@ def test_lifecycle_create_set_add_stats_freeze_kill_delete(v1_group: CgroupManag
 def test_memory_hog_is_oom_killed_inside_the_group_and_reported(v1_group: CgroupManager, spawn) -> None:
     v1_group.create()
     limit = 64 * MiB
-    resources = Resources(memory_max=limit)
+    resources = CgroupLimits(memory_max=limit)
     if (v1_group.paths()["memory"] / "memory.memsw.limit_in_bytes").exists():
-        resources = Resources(memory_max=limit, memory_swap_max=0)
+        resources = CgroupLimits(memory_max=limit, memory_swap_max=0)
     v1_group.set(resources)
     bystander = spawn("import time\ntime.sleep(60)")
     bystander.release()
@@ -114,7 +114,7 @@ def test_memory_hog_is_oom_killed_inside_the_group_and_reported(v1_group: Cgroup
 
 def test_fork_bomb_is_stopped_by_pids_max(v1_group: CgroupManager, spawn) -> None:
     v1_group.create()
-    v1_group.set(Resources(pids_max=20))
+    v1_group.set(CgroupLimits(pids_max=20))
     # Bounded bomb: every process forks until EAGAIN (hard stop at 200 forks), then sleeps.
     bomb = spawn(
         "import os, sys, time\n"

@@ -11,7 +11,7 @@ from nodeagent.cgroups import DeviceRule
 from nodeagent.devices.pci import DeviceNumber
 from nodeagent.errors import InvalidRequest, NotFound
 from nodeagent.isolation.devices import SAFE_DEVICES, device_rules, resolve_device_nodes, slot_device_rules
-from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec
+from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 
 GPU0 = DeviceNumber("c", 195, 0)
 MIG_CAP = DeviceNumber("c", 237, 12)
@@ -86,7 +86,7 @@ def test_slot_rules_add_gpu_control_nodes_only_for_gpu_slots(
     tmp_path: Path, gpu: bool, expected: set[str]
 ) -> None:
     # /dev/full stands in for nvidiactl; the missing path for an absent nvidia-uvm.
-    config = IsolationConfig(safe_devices=(), gpu_control_nodes=("/dev/full", str(tmp_path / "nvidia-uvm")))
+    config = IsolatorConfig(safe_devices=(), gpu_control_nodes=("/dev/full", str(tmp_path / "nvidia-uvm")))
     spec = SlotIsolationSpec("web", "burstable", memory_bytes=1 << 20, device_paths=("/dev/null",), gpu=gpu)
     assert {str(r) for r in slot_device_rules(spec, config)} == expected
 

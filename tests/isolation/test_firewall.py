@@ -42,7 +42,6 @@ from nodeagent.isolation.firewall import (
 )
 from nodeagent.isolation.network import (
     HostPort,
-    IpBatchBackend,
     NetworkBackend,
     Pyroute2Backend,
     SlotAccess,
@@ -50,6 +49,7 @@ from nodeagent.isolation.network import (
     SlotNetworkConfig,
     plan_slot_network,
 )
+from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.spec import SlotNetworkSpec
 from tests.isolation.netns import HostListener, base36, connect_from, listen_in, python_in, send_udp_from
 

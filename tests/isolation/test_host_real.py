@@ -26,7 +26,7 @@ from nodeagent.cgroups import detect
 from nodeagent.isolation.host import HostPartitioner
 from nodeagent.isolation.partitioning import RECORD_NAME, host_partitioner
 from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.isolation.spec import IsolatorConfig
 from tests.isolation.specs import guaranteed
 
 pytestmark = pytest.mark.root
@@ -84,7 +84,7 @@ def busy() -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest.fixture
 def isolator() -> Iterator[SlotIsolator]:
-    iso = SlotIsolator(detect(), IsolationConfig(cgroup_parent=PARENT))
+    iso = SlotIsolator(detect(), IsolatorConfig(cgroup_parent=PARENT))
     try:
         yield iso
     finally:

@@ -16,15 +16,12 @@ import pytest
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError
 from nodeagent.isolation.network import (
     IFNAMSIZ,
-    IpBatchBackend,
     NetworkBackend,
     Pyroute2Backend,
     SlotNetwork,
     SlotNetworkConfig,
     allocate_subnet,
     host_veth_name,
-    ip_host_batch,
-    ip_inside_batch,
     netns_name,
     netns_path,
     plan_slot_network,
@@ -32,9 +29,9 @@ from nodeagent.isolation.network import (
     subnet_at,
     subnet_count,
     tbf_params,
-    tc_commands,
     validate_slot_id,
 )
+from nodeagent.isolation.network_ipbatch import IpBatchBackend, ip_host_batch, ip_inside_batch, tc_commands
 from tests.isolation.netns import base36, connect_from, listen_in, python_in
 
 Net = ipaddress.IPv4Network

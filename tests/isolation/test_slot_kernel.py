@@ -16,22 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.cgroups import UNLIMITED, CgroupHost, Resources, detect, open_manager
+from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, detect, open_manager
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
 from nodeagent.isolation.network import (
     HostPort,
-    IpBatchBackend,
     SlotAccess,
     SlotNetwork,
     SlotNetworkConfig,
     host_veth_name,
 )
+from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
-from nodeagent.isolation.spec import IsolationConfig, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import F, MiB, burstable, guaranteed, status_field
 
 from ..cgroups.conftest import Child, wait_for
@@ -90,7 +90,7 @@ def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragmen
         pytest.param(
             guaranteed(cpus=F({2, 3})),
             True,
-            Resources(
+            CgroupLimits(
                 cpuset_cpus=F({2, 3}),
                 cpuset_mems=F({0}),
                 cpu_weight=200,
@@ -105,7 +105,7 @@ def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragmen
         pytest.param(
             burstable(pids_max=64),
             True,
-            Resources(
+            CgroupLimits(
                 cpuset_cpus=F({2, 3}),
                 cpu_weight=50,
                 cpu_quota_us=50_000,
@@ -119,7 +119,7 @@ def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragmen
         pytest.param(
             SlotIsolationSpec("e", "best-effort", memory_bytes=64 * MiB),
             True,
-            Resources(
+            CgroupLimits(
                 cpuset_cpus=F({2, 3}),
                 cpu_quota_us=UNLIMITED,
                 cpu_period_us=100_000,
@@ -133,7 +133,7 @@ def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragmen
         pytest.param(
             SlotIsolationSpec("e", "best-effort"),
             False,
-            Resources(
+            CgroupLimits(
                 cpuset_cpus=F({2, 3}),
                 cpu_weight=1,
                 cpu_quota_us=UNLIMITED,
@@ -146,7 +146,7 @@ def test_invalid_specs_are_refused(kwargs: dict, error: type[Exception], fragmen
     ],
 )
 def test_qos_parameters_map_onto_cgroup_resources(
-    spec: SlotIsolationSpec, idle: bool, expected: Resources
+    spec: SlotIsolationSpec, idle: bool, expected: CgroupLimits
 ) -> None:
     cpus = spec.cpus if spec.exclusive else F({2, 3})
     request = float(len(spec.cpus)) if spec.exclusive else spec.cpu_quota
@@ -209,7 +209,7 @@ def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
         rule_priority=3233,
         nft_table=f"natest-{tag}",
     )
-    config = IsolationConfig(
+    config = IsolatorConfig(
         cgroup_parent=f"natest{pid}-{next(_numbers)}.slice",
         network=network,
         resctrl_prefix=f"natest-{tag}-",

@@ -112,6 +112,33 @@ def test_worker_is_in_its_slot_at_its_first_instruction(tmp_path, slot, keeper, 
 
 
 @pytest.mark.root
+@pytest.mark.parametrize("adj", [-997, 1000], ids=["guaranteed", "best-effort"])
+def test_worker_takes_its_slots_oom_score_adj_not_the_keepers(tmp_path, slot, keeper, kill_workers, adj):
+    """The keeper runs with the agent unit's strong protection (-900 under systemd); a worker gets its
+    slot's value instead, lower (needs root, so before the identity switch) or higher."""
+    req = make_request(
+        tmp_path, slot, ["cat", "/proc/self/oom_score_adj"], oom_score_adj=adj, uid=65534, gid=65534
+    )
+    kill_workers.append(keeper.launch(req).identity)
+    log = Path(req.log_dir) / "worker.log"
+    wait_until("the worker's output", lambda: log.exists() and log.read_text().strip() != "")
+    inherited = int(Path("/proc/self/oom_score_adj").read_text())  # the keeper's, as the test's
+    # Lowering needs CAP_SYS_RESOURCE (some hosts withhold it from root): then the worker keeps
+    # the inherited value rather than fail; raising always works.
+    may_lower = bool(int(_cap_eff(), 16) >> CAP_SYS_RESOURCE & 1)
+    expected = adj if adj >= inherited or may_lower else inherited
+    assert [line.text for line in read_log(Path(req.log_dir), 5)] == [str(expected)]
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def _cap_eff() -> str:
+    status = Path("/proc/self/status").read_text()
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:"))
+
+
+@pytest.mark.root
 def test_unused_children_go_away_with_the_client_and_the_keeper_stays(tmp_path):
     client = KeeperClient(tmp_path / "keeper")
     try:

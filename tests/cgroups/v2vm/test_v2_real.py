@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from nodeagent.cgroups import CgroupHost, CgroupManager, Resources, apply_device_rules, detect, open_manager
+from nodeagent.cgroups import (
+    CgroupHost,
+    CgroupLimits,
+    CgroupManager,
+    apply_device_rules,
+    detect,
+    open_manager,
+)
 from nodeagent.errors import Unsupported
 
 from ..conftest import unique_name, wait_for
@@ -49,7 +56,7 @@ def test_controllers_are_enabled_for_the_slot(group: CgroupManager) -> None:
 
 
 def test_cpu_and_cpuset_settings_take_effect(group: CgroupManager, spawn) -> None:
-    group.set(Resources(cpuset_cpus=frozenset({0}), cpuset_mems=frozenset({0}), cpu_weight=300,
+    group.set(CgroupLimits(cpuset_cpus=frozenset({0}), cpuset_mems=frozenset({0}), cpu_weight=300,
                         cpu_quota_us=10_000, cpu_period_us=100_000, cpu_idle=False))  # fmt: skip
     assert read(group, "cpu.max") == "10000 100000"
     assert read(group, "cpu.weight") == "300"
@@ -65,7 +72,7 @@ def test_cpu_and_cpuset_settings_take_effect(group: CgroupManager, spawn) -> Non
 
 
 def test_memory_hog_is_oom_killed_and_reported_through_memory_events(group: CgroupManager, spawn) -> None:
-    group.set(Resources(memory_max=64 * MiB, memory_swap_max=0))
+    group.set(CgroupLimits(memory_max=64 * MiB, memory_swap_max=0))
     bystander = spawn("import time\ntime.sleep(60)")
     bystander.release()
     hog = spawn("chunks = []\nwhile True: chunks.append(bytearray(8 << 20))")
@@ -82,7 +89,7 @@ def test_memory_hog_is_oom_killed_and_reported_through_memory_events(group: Cgro
 
 
 def test_fork_bomb_stops_at_pids_max(group: CgroupManager, spawn) -> None:
-    group.set(Resources(pids_max=10))
+    group.set(CgroupLimits(pids_max=10))
     bomb = spawn(
         "import os, time\nmade = 0\nwhile made < 100:\n    try:\n        pid = os.fork()\n"
         "    except BlockingIOError:\n        break\n    made += 1\n    if pid == 0:\n        made = 100\n"
@@ -97,7 +104,7 @@ def test_fork_bomb_stops_at_pids_max(group: CgroupManager, spawn) -> None:
 
 def test_io_weight(group: CgroupManager) -> None:
     try:
-        group.set(Resources(io_weight=300))
+        group.set(CgroupLimits(io_weight=300))
     except Unsupported as err:
         pytest.skip(f"this kernel has no io weight interface: {err}")
     name = "io.weight" if (group.paths()["unified"] / "io.weight").exists() else "io.bfq.weight"

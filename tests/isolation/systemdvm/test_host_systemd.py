@@ -21,7 +21,7 @@ from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.isolation.partitioning import RECORD_NAME, host_partitioner
 from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.isolation.spec import IsolatorConfig
 from tests.isolation.specs import guaranteed
 
 UNIT = f"natest-busy-{os.getpid()}"
@@ -65,7 +65,7 @@ def test_systemd_units_are_confined_through_allowed_cpus_and_put_back(
     online = frozenset(os.sched_getaffinity(1))
     if not {0, 1} <= online:
         pytest.skip("needs CPUs 0 and 1")
-    isolator = SlotIsolator(host, IsolationConfig(cgroup_parent=f"natest{os.getpid()}.slice"))
+    isolator = SlotIsolator(host, IsolatorConfig(cgroup_parent=f"natest{os.getpid()}.slice"))
     p = host_partitioner(host, state_dir=tmp_path, cgroup_parent=isolator.config.cgroup_parent)
     before = {unit: allowed(unit) for unit in ("system.slice", "init.scope")}
     try:

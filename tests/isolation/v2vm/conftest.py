@@ -19,7 +19,7 @@ from nodeagent.cgroups import CgroupHost, detect
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolationConfig
+from nodeagent.isolation.spec import IsolatorConfig
 
 from ...cgroups.conftest import Child
 
@@ -49,7 +49,7 @@ def isolator(host: CgroupHost, tmp_path: Path) -> Iterator[SlotIsolator]:
     pid = os.getpid()
     number = next(_numbers)
     tag = f"nav{pid % 100000}x{number}"
-    config = IsolationConfig(
+    config = IsolatorConfig(
         cgroup_parent=f"natest{pid}-{number}.slice",
         network=SlotNetworkConfig(
             cidr=f"100.{128 + pid % 64}.0.0/16",

@@ -143,6 +143,7 @@ def node() -> Iterator[Node]:
             f"no agent installed at {PREFIX}/venv: run-tests builds it (systemd/install --skip-units)"
         )
     before = cgroup_dirs()
+    host_cpus = os.sched_getaffinity(1)
     run(str(REPO / "systemd/install"), "--prefix", str(PREFIX), "--skip-venv", "--no-start")
     Path("/etc/systemd/system/nodeagent.service.d/50-slow-guest.conf").write_text(SLOW_GUEST)
     CONFIG.write_text(f'[placement]\nallowed_devices = ["{ALLOWED}"]\n')
@@ -156,6 +157,12 @@ def node() -> Iterator[Node]:
         made = Node(api, holder, before)
         made.figures["start_to_ready_s"] = round(took, 2)
         yield made
+        # Host partitioning (through AllowedCPUs= on the other units) lasts while an exclusive CPU is
+        # held: once every slot is released the agent puts the host back, PID 1 included.
+        for name in made.listing():
+            assert api.delete(f"/v1/slots/{name}").status_code < 300, name
+        wait_until("the host put back", lambda: os.sched_getaffinity(1) == host_cpus)
+    run("systemctl", "stop", "nodeagent.service", "nodeagent-slots.service")
     (PREFIX / "figures.json").write_text(json.dumps(made.figures, indent=2) + "\n")
 
 
