@@ -9,7 +9,9 @@ next to ``podman run`` of the same image with the same flags by hand, interleave
   by-hand    ``podman run`` with the same flags as the agent's (runtime/container.py: cgroupfs,
              runc, --cgroup-parent, the CDI device of a slot the agent holds, --init, the same
              user, capabilities and limits), started from this process, until the server answers
-             the same HTTP request polled every 20 ms; then stopped (not timed).
+             the same HTTP request polled every 20 ms; then stopped (not timed). On every CPU.
+  by-hand-1cpu  the same, podman (and so conmon, runc and the container) on one CPU, as in the
+             agent's guaranteed slot of 1 CPU, where podman runs inside the slot.
 
 The image is the tests' (tests/containers.py: a static busybox, imported offline). Run as root
 on a host with podman, runc and catatonit:
@@ -77,10 +79,14 @@ def agent_run(client: httpx.Client, image: str, name: str) -> float:
     return took
 
 
-def by_hand(argv: list[str], port: int) -> float:
+def by_hand(argv: list[str], port: int, cpus: set[int] | None = None) -> float:
     began = time.perf_counter()
     process = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),  # noqa: PLW1509
     )
     try:
         while True:
@@ -104,7 +110,7 @@ def summary(name: str, values: list[float]) -> str:
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
     median = statistics.median(values) * 1000
-    return f"{name:10s} median {median:7.1f} ms   p90 {p90 * 1000:7.1f} ms   n={len(values)}"
+    return f"{name:13s} median {median:7.1f} ms   p90 {p90 * 1000:7.1f} ms   n={len(values)}"
 
 
 def main() -> None:
@@ -131,8 +137,8 @@ def main() -> None:
         assert holder.status_code == 201, holder.text
         holder_id = holder.json()["id"]
         config = PodmanConfig(runtime="runc")
-        agent_times: list[float] = []
-        hand_times: list[float] = []
+        times: dict[str, list[float]] = {"agent": [], "by-hand": [], "by-hand-1cpu": []}
+        one_cpu = {max(os.sched_getaffinity(0))}
         for i in range(args.runs + 1):  # the first pair warms caches and is not counted
             port = free_port()
             spec = parse_worker_spec(worker(image, port))
@@ -150,15 +156,20 @@ def main() -> None:
                 )
             )
             argv[argv.index(f"--name={container_name(holder_id)}")] = f"--name=natest{PID}-hand"
-            order = ["agent", "by-hand"] if i % 2 == 0 else ["by-hand", "agent"]
+            order = list(times)
+            order = order[i % 3 :] + order[: i % 3]  # rotate who goes first
             for who in order:
-                took = agent_run(client, image, f"bench{i}") if who == "agent" else by_hand(argv, port)
+                if who == "agent":
+                    took = agent_run(client, image, f"bench{i}")
+                else:
+                    took = by_hand(argv, port, one_cpu if who == "by-hand-1cpu" else None)
                 if i:
-                    (agent_times if who == "agent" else hand_times).append(took)
-        print(summary("agent", agent_times))
-        print(summary("by-hand", hand_times))
-        ratio = statistics.median(agent_times) / statistics.median(hand_times)
-        print(f"ratio agent / by-hand (medians): {ratio:.2f}")
+                    times[who].append(took)
+        for who, values in times.items():
+            print(summary(who, values))
+        agent = statistics.median(times["agent"])
+        for who in ("by-hand", "by-hand-1cpu"):
+            print(f"ratio agent / {who} (medians): {agent / statistics.median(times[who]):.2f}")
     finally:
         client.close()
         daemon.stop()
