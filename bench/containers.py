@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -191,6 +192,7 @@ def main() -> None:
                         sub.rmdir()
                 hand.rmdir()
         remove_image(image)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
