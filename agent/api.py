@@ -14,6 +14,7 @@ Paths (JSON; versioned under /v1)::
     POST   /v1/slots/{id}/worker       start its worker (optional WorkerSpec body) -> Slot
     DELETE /v1/slots/{id}/worker       stop its worker -> Slot
     GET    /v1/slots/{id}/logs?lines=N the last N (1..10000, default 100) lines of worker output
+    GET    /v1/slots/{id}/cdi          the slot's CDI spec (kind nodeagent.io/slot) for container runtimes
     GET    /healthz                    the process answers (no token)
     GET    /readyz                     503 until start-up reconciliation is done (no token)
     GET    /metrics                    Prometheus text (token unless ``metrics_auth=False``)
@@ -184,6 +185,21 @@ class SlotListModel(BaseModel):
 class LogsModel(BaseModel):
     id: str
     lines: list[str]
+
+
+class CdiDeviceModel(BaseModel):
+    name: str = Field(description="The slot's name or id: --device nodeagent.io/slot=<name>.")
+    containerEdits: dict[str, Any] = Field(
+        description="Device nodes, environment and mounts a runtime adds to the container."
+    )
+
+
+class CdiSpecModel(BaseModel):
+    """A Container Device Interface spec, as the CDI specification defines it (docs/containers.md)."""
+
+    cdiVersion: str = Field(description="The oldest CDI version the spec is valid against.")
+    kind: str = Field(description='Always "nodeagent.io/slot".')
+    devices: list[CdiDeviceModel]
 
 
 class NodeModel(BaseModel):
@@ -425,6 +441,16 @@ def _add_worker_routes(app: FastAPI, service: SlotService) -> None:
     ) -> JSONResponse:
         slot = service.get_slot(slot_id)
         return JSONResponse({"id": slot.id, "lines": service.logs(slot.id, lines)})
+
+    @app.get(
+        "/v1/slots/{slot_id}/cdi",
+        tags=["slots"],
+        summary="The slot's CDI spec: what podman run --device nodeagent.io/slot=NAME gives a container",
+        response_model=CdiSpecModel,
+        responses=_READ_ERRORS,
+    )
+    def cdi_spec(slot_id: SlotId) -> JSONResponse:
+        return JSONResponse(service.cdi_spec(slot_id))
 
 
 # --------------------------------------------------------------------------- errors

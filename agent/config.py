@@ -28,6 +28,7 @@ from nodeagent.agent.sandbox_config import SandboxConfig
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.defaults import DEFAULT_LISTEN, TOKEN_FILE_NAME, default_state_dir
 from nodeagent.errors import ConfigError, InvalidRequest
+from nodeagent.isolation.cdi import DEFAULT_CDI_DIR, DEFAULT_PREFIX
 from nodeagent.isolation.colocation import ColocationConfig
 from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
@@ -170,6 +171,26 @@ class QosConfig:
 
 
 @dataclass(frozen=True)
+class CdiConfig:
+    #: write a CDI spec per slot (nodeagent.io/slot=NAME) for container runtimes
+    enabled: bool = True
+    #: where runtimes look for specs generated at run time (the CDI standard's dynamic directory)
+    dir: str = DEFAULT_CDI_DIR
+    #: the agent's spec files are <prefix><slot id>.json; start-up removes those of slots it does not hold
+    prefix: str = DEFAULT_PREFIX
+    #: also one spec per kind of device the agent manages (nodeagent.io/gpu, nodeagent.io/fpga)
+    device_specs: bool = False
+
+
+@dataclass(frozen=True)
+class ContainersConfig:
+    #: the podman binary container workers run through ("" = podman on PATH)
+    podman: str = ""
+    #: the OCI runtime podman uses ("" = podman's default); runc on a v1 or hybrid host (crun refuses hybrid)
+    runtime: str = ""
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
 
@@ -187,6 +208,8 @@ class AgentConfig:
     qos: QosConfig = field(default_factory=QosConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    cdi: CdiConfig = field(default_factory=CdiConfig)
+    containers: ContainersConfig = field(default_factory=ContainersConfig)
     #: The file this came from (None: built-in defaults).
     source: str | None = None
 
@@ -250,6 +273,8 @@ _SECTIONS: dict[str, type[Any]] = {
     "qos": QosConfig,
     "log": LogConfig,
     "sandbox": SandboxConfig,
+    "cdi": CdiConfig,
+    "containers": ContainersConfig,
 }
 
 
@@ -369,7 +394,14 @@ def _validate(config: AgentConfig) -> None:
         raise ConfigError(
             f"{_where(src, 'api.listen')} is empty and api.unix_socket is unset: nothing to serve on"
         )
-    for key in ("state.dir", "api.token_file", "api.unix_socket"):
+    if not config.cdi.prefix or "/" in config.cdi.prefix or config.cdi.prefix.startswith("."):
+        raise ConfigError(
+            f"{_where(src, 'cdi.prefix')} is {config.cdi.prefix!r}; expected a file name prefix "
+            "(not empty, no '/', not starting with '.')"
+        )
+    if config.cdi.enabled and not config.cdi.dir:
+        raise ConfigError(f"{_where(src, 'cdi.dir')} is empty; give a directory or set cdi.enabled = false")
+    for key in ("state.dir", "api.token_file", "api.unix_socket", "cdi.dir", "containers.podman"):
         value = getattr(getattr(config, key.split(".")[0]), key.split(".")[1])
         if value and not Path(value).is_absolute():
             raise ConfigError(f"{_where(src, key)} is {value!r}; expected an absolute path")
@@ -542,6 +574,8 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "AgentConfig",
     "ApiConfig",
+    "CdiConfig",
+    "ContainersConfig",
     "ControllerConfig",
     "GpuConfig",
     "IsolationConfig",

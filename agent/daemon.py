@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.journal import journal_handler
 from nodeagent.agent.manager import SlotManager
@@ -49,6 +50,7 @@ from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
+from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.host import HostReport, validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
@@ -57,6 +59,7 @@ from nodeagent.isolation.qos import QosDefaults
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolatorConfig
 from nodeagent.placement import placement_index
+from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.workers import KeeperRuntime
 
@@ -313,6 +316,7 @@ def build_manager(
             config.state_dir / "workers",
             host if isinstance(isolation, KernelIsolation) else None,
             KeeperClient(config.state_dir / "keeper", placement=None if layout is None else layout.placement),
+            podman_config(config, host),
         ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,
@@ -321,6 +325,33 @@ def build_manager(
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),
+        cdi=build_cdi(config, can_isolate=isolation.isolates),
+    )
+
+
+def podman_config(config: AgentConfig, host: CgroupHost) -> PodmanConfig:
+    """How container workers call podman ([containers]; runtime/container.py)."""
+    runtime = config.containers.runtime or default_runtime(host.mode != "v2")
+    unsupported = ""
+    if host.mode == "v2":
+        # The launch path puts podman itself in the slot's cgroup, and v2 allows no process in a
+        # cgroup whose controllers are enabled for children (podman's below it): not built yet.
+        unsupported = (
+            "not supported on a pure cgroup v2 host yet (docs/containers.md): the slot's cgroup would "
+            "hold podman and the container's cgroups at once; use a command worker"
+        )
+    return PodmanConfig(podman=config.containers.podman, runtime=runtime, unsupported=unsupported)
+
+
+def build_cdi(config: AgentConfig, *, can_isolate: bool) -> SlotCdiSpecs | None:
+    """The slots' CDI specs ([cdi]); none where slots are not isolated (their devices are not the
+    slot's alone, and the dynamic CDI directory is root's)."""
+    if not config.cdi.enabled or not can_isolate:
+        return None
+    return SlotCdiSpecs(
+        CdiSpecDir(Path(config.cdi.dir), config.cdi.prefix),
+        config.state_dir / "cdi",
+        device_specs=config.cdi.device_specs,
     )
 
 

@@ -29,6 +29,7 @@ from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
 from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.runtime.podman_facts import PodmanFacts, podman_facts
 
 Status = Literal["OK", "WARN", "FAIL"]
 REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")
@@ -84,6 +85,7 @@ class HostRoots:
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
     firewall_probe: Callable[[], str | None] = _default_firewall_probe
     sandbox_probe: Callable[[], dict[str, str]] = _default_sandbox_probe
+    podman_probe: Callable[[str], PodmanFacts] = podman_facts
     which: Callable[[str], str | None] = shutil.which
     gpus: Callable[[Path], tuple[Gpu, ...]] = discover_gpus
     fpgas: Callable[[Path, Path], tuple[Fpga, ...]] = discover_fpgas
@@ -301,6 +303,51 @@ def check_sandbox(roots: HostRoots) -> Check:
             "then workers that need a missing piece are refused, or set [sandbox] enabled = false (unsafe)",
         )
     return Check(name, "OK", f"tried live: {detail}")
+
+
+def check_containers(roots: HostRoots, host: CgroupHost | None) -> Check:
+    """Container workers (worker.container) need podman, an OCI runtime that takes this host's
+    cgroups (runc on v1/hybrid: crun refuses hybrid), a static init for --init, and root."""
+    name = "container workers"
+    podman = roots.which("podman")
+    if podman is None:
+        return Check(
+            name,
+            "WARN",
+            "podman is not installed: a container worker fails at launch",
+            "apt-get install podman runc catatonit (command workers are not affected)",
+        )
+    try:
+        facts = roots.podman_probe(podman)
+    except (OSError, ValueError) as err:
+        return Check(name, "WARN", f"{podman} does not answer: {err}", "run `podman info` as root and fix it")
+    hybrid = host is not None and host.mode != "v2"
+    needs = "runc" if hybrid else facts.runtime
+    detail = (
+        f"podman {facts.version}, runtime {needs} (podman's default {facts.runtime} {facts.runtime_version})"
+    )
+    if hybrid and roots.which("runc") is None:
+        return Check(
+            name,
+            "WARN",
+            f"{detail}: no runc, and crun refuses this cgroup v1/hybrid host",
+            "apt-get install runc",
+        )
+    if roots.euid != 0:
+        return Check(
+            name,
+            "WARN",
+            f"{detail}; not root: container workers need a rootful podman",
+            "run the agent as root",
+        )
+    if roots.which("catatonit") is None and not (roots.fs / "usr/libexec/podman/catatonit").exists():
+        return Check(
+            name,
+            "WARN",
+            f"{detail}; no catatonit: containers run without an init as PID 1",
+            "apt-get install catatonit",
+        )
+    return Check(name, "OK", detail)
 
 
 def _effective_caps(roots: HostRoots) -> int:
@@ -536,7 +583,7 @@ def check_host_partitioning(node: Mapping[str, Any]) -> Check:
             name,
             "WARN",
             "off: every process, kernel thread and interrupt may still run on exclusive CPUs",
-            "set [isolation] host_partitioning = \"auto\"",
+            'set [isolation] host_partitioning = "auto"',
         )
     last = status.get("last") if isinstance(status.get("last"), Mapping) else None
     error = status.get("error")
@@ -676,6 +723,8 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
     checks.append(_guarded("network namespaces", lambda: check_network_namespaces(roots)))
     checks.append(_guarded("network firewall", lambda: check_network_firewall(roots)))
     checks.append(_guarded("worker sandbox", lambda: check_sandbox(roots)))
+    cgroups = None if isinstance(host, Check) else host
+    checks.append(_guarded("container workers", lambda: check_containers(roots, cgroups)))
     try:
         checks += check_gpus(roots)
     except Exception as err:  # noqa: BLE001 - doctor reports every failure instead of crashing

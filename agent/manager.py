@@ -55,13 +55,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.agent.cdi import SlotCdiSpecs, try_cdi
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
-from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
+from nodeagent.agent.translate import assignment_of, isolation_spec, runs_containers, slot_description
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -128,10 +129,12 @@ class SlotManager:
         clock: Callable[[], float] = time.time,
         host: HostPartitioning | None = None,
         sandbox: SandboxPolicy | None = None,
+        cdi: SlotCdiSpecs | None = None,
     ) -> None:
         """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
-        neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
+        neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
+        each slot's CDI spec is kept (agent.cdi), None for no specs."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -142,6 +145,7 @@ class SlotManager:
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
+        self._cdi = cdi
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -292,6 +296,7 @@ class SlotManager:
             resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
+            self._check_container(req.worker)
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -392,6 +397,7 @@ class SlotManager:
             with contextlib.suppress(NodeAgentError):
                 self._isolation.release(slot.id)
             raise
+        self._write_cdi(ready, worker)
         return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
@@ -412,6 +418,8 @@ class SlotManager:
         if slot.holding and slot.assignment is not None:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
+        if self._cdi is not None:
+            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
         failed = dataclasses.replace(slot, state=SlotState.FAILED, reason=reason, applied=None)
         self._store.update_slot(failed)
         self._store.add_event("failed", f"slot {slot.name!r}: {reason}", slot.id)
@@ -454,6 +462,7 @@ class SlotManager:
                     "resized slot's kernel state not stored", extra={"slot": slot.id, "reason": str(err)}
                 )
             self._store.add_event("resize", f"slot {slot.name!r} now {_describe(new)}", slot.id)
+            self._write_cdi(resized)
         self._notify()
         return self._view(resized)
 
@@ -475,6 +484,8 @@ class SlotManager:
 
     def _finish_release(self, slot: Slot) -> None:
         self._isolation.release(slot.id)
+        if self._cdi is not None:
+            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
@@ -543,8 +554,15 @@ class SlotManager:
             resolve(body)
             if self._sandbox is not None:
                 self._sandbox.check(body)
+            self._check_container(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
+            if body.container is not None and not runs_containers(slot):
+                raise Conflict(
+                    f"slot {slot.name!r} was allocated without a container worker, so its device cgroup "
+                    "does not admit a container runtime below it; allocate a slot whose request has "
+                    "worker.container"
+                )
             self._store.check_space()
             current = self._loop.get(slot.id)
             if current is not None and current.phase in ALIVE_PHASES:
@@ -554,6 +572,7 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
             self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            self._write_cdi(slot, body)  # the worker's env may override the slot's wiring
             self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
@@ -666,6 +685,52 @@ class SlotManager:
     def reconcile(self, *, restart_workers: frozenset[str] = frozenset()) -> ReconcileReport:
         """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
         return reconcile(self, restart_workers=restart_workers)
+
+    def _reconcile_cdi(self, report: ReconcileReport) -> None:
+        """No spec of a slot the agent does not hold survives a start; every held one is written
+        again (its devices or the agent's rules may have changed while it was down)."""
+        if self._cdi is None:
+            return
+        slots = [s for s in self._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
+        try:
+            report.cdi_removed = self._cdi.remove_stale(s.id for s in slots)
+        except (NodeAgentError, OSError) as err:
+            log.warning("stale CDI specs not removed", extra={"reason": str(err)})
+        for slot in slots:
+            self._write_cdi(slot)
+        try_cdi("written", "-", self._cdi.write_device_specs, self._topology)
+
+    def _check_container(self, spec: WorkerSpec) -> None:
+        """A container worker gets its slot through the slot's CDI spec: without specs it cannot start."""
+        if spec.container is not None and self._cdi is None:
+            raise Unsupported(
+                "container workers need the slot's CDI spec, and this agent writes none ([cdi] enabled = "
+                "false, or slots are not isolated here); enable [cdi] or give a command"
+            )
+
+    def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
+        if self._cdi is None or slot.assignment is None:
+            return
+        if worker is None:
+            stored = self._store.get_worker(slot.id)
+            worker = stored.spec if stored is not None else slot.request.worker
+        env = dict(worker.env) if worker is not None else {}
+        try_cdi("written", slot.id, self._cdi.write, slot, self._topology, self._shared_pool(), env)
+
+    def cdi_spec(self, slot_id: str) -> dict[str, Any]:
+        """The slot's CDI spec as written (``nodeagent slots cdi NAME``)."""
+        slot = self._slot(slot_id)
+        if self._cdi is None:
+            raise Unsupported(
+                "this agent writes no CDI specs ([cdi] enabled = false, or slots are not isolated here)"
+            )
+        spec = self._cdi.read(slot.id)
+        if spec is None:
+            raise NotFound(
+                f"slot {slot.name!r} has no CDI spec in {self._cdi.specs.directory} (it is {slot.state}; "
+                "specs exist for ready and running slots)"
+            )
+        return spec
 
     # ------------------------------------------------------------------ helpers
 

@@ -41,6 +41,8 @@ class ReconcileReport:
     workers_adopted: list[str] = field(default_factory=list)
     workers_exited: list[str] = field(default_factory=list)
     workers_started: list[str] = field(default_factory=list)
+    #: CDI specs of slots the agent does not hold (by slot id), removed
+    cdi_removed: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +85,7 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             report.orphans_removed += manager._isolation.remove_orphans(keep)
         for slot in manager._store.list_slots():
             _reconcile_slot(manager, slot, report)
+        manager._reconcile_cdi(report)
         for slot in manager._store.list_slots():
             _reconcile_worker(manager, slot, report, restart=slot.id in restart_workers)
         report.seconds = time.monotonic() - began

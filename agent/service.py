@@ -109,6 +109,11 @@ class SlotService(Protocol):
         """The last ``lines`` lines of the worker's output (stdout and stderr interleaved)."""
         ...
 
+    def cdi_spec(self, slot_id: str) -> dict[str, Any]:
+        """The slot's CDI spec (kind nodeagent.io/slot) as written for container runtimes;
+        NotFound when it has none, Unsupported when the agent writes none."""
+        ...
+
     def ready(self) -> bool:
         """True once start-up reconciliation is done and the agent accepts work."""
         ...

@@ -50,7 +50,16 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
             tuple(HostPort(p.port, p.protocol) for p in res.network.host_ports),
         ),
         l3=res.l3_share,
+        containers=runs_containers(slot),
     )
+
+
+def runs_containers(slot: Slot) -> bool:
+    """Whether the slot was asked for with a container worker: its device cgroup then admits what
+    an OCI runtime writes below it (fixed at allocate: isolation_spec must give the same answer at
+    every resize and start)."""
+    worker = slot.request.worker
+    return worker is not None and worker.container is not None
 
 
 def slot_description(slot: Slot, shared_pool: frozenset[int]) -> SlotDescription:
@@ -104,4 +113,4 @@ def assignment_of(slot: Slot) -> Assignment:
     return slot.assignment
 
 
-__all__ = ["assignment_of", "isolation_spec", "slot_description", "slot_from_kernel"]
+__all__ = ["assignment_of", "isolation_spec", "runs_containers", "slot_description", "slot_from_kernel"]

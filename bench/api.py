@@ -96,6 +96,7 @@ def agent_config(state_dir: Path) -> AgentConfig:
             "firewall_table": FIREWALL_TABLE,
         },
         "log": {"level": "warning"},
+        "cdi": {"dir": str(state_dir / "cdi-specs")},  # not the host's CDI directory
     }
     return apply_overrides(parse_config(data), state_dir=state_dir)
 

@@ -200,6 +200,9 @@ class AgentClient:
         body = self._json("GET", _slot_path(slot_id, "logs"), query={"lines": lines})
         return [str(line) for line in body["lines"]]
 
+    def cdi_spec(self, slot_id: str) -> dict[str, Any]:
+        return self._json("GET", _slot_path(slot_id, "cdi"))
+
     # --- the I/O boundary
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

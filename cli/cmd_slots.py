@@ -300,6 +300,15 @@ def logs_command(ctx: click.Context, slot_id: str, lines: int) -> None:
         click.echo(line)
 
 
+@command.command("cdi")
+@subcommand_api_options
+@click.argument("slot_id", metavar="ID")
+@click.pass_context
+def cdi_command(ctx: click.Context, slot_id: str) -> None:
+    """The slot's CDI spec (JSON): what `podman run --device nodeagent.io/slot=NAME` gives a container."""
+    click.echo(_dumps(client_from(ctx).cdi_spec(slot_id)))
+
+
 # --------------------------------------------------------------------------- requests from options
 
 

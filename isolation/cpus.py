@@ -208,10 +208,33 @@ class SharedPool:
             if relpath.startswith(best_effort + "/"):
                 best_effort_cpus |= target
             groups.append(CpusetGroup(relpath, self.read_cpus(relpath), target))
+            groups += self._below(relpath, target)
         groups.append(CpusetGroup(best_effort, self.read_cpus(best_effort), best_effort_cpus))
         for relpath, cpus in plan_cpuset_writes(groups):
             open_manager(self.host, relpath).set(CgroupLimits(cpuset_cpus=cpus))
         return pool
+
+    def follow(self, relpath: str, cpus: frozenset[int]) -> None:
+        """Give the slot at ``relpath`` the CPUs ``cpus`` together with the cgroups a container
+        runtime made below it, in an order v1 accepts."""
+        groups = [CpusetGroup(relpath, self.read_cpus(relpath), cpus), *self._below(relpath, cpus)]
+        for path, target in plan_cpuset_writes(groups):
+            open_manager(self.host, path).set(CgroupLimits(cpuset_cpus=target))
+
+    def _below(self, relpath: str, target: frozenset[int]) -> list[CpusetGroup]:
+        """The cgroups below a slot's (a container worker's: ``libpod-<id>``, ``conmon``), which
+        follow the slot's CPUs. v1 refuses to cut a cpuset below what a child holds (EBUSY), and the
+        runtime copied the slot's CPUs into its cgroups when it made them."""
+        found = []
+        pending = [relpath]
+        while pending:
+            parent = pending.pop()
+            for name in cgroupfs.child_dirs(self._mount, parent):
+                child = f"{parent}/{name}"
+                if cgroupfs.exists(self._mount, cgroupfs.join(child, "cpuset.cpus")):  # v2: if enabled
+                    found.append(CpusetGroup(child, self.read_cpus(child), target))
+                    pending.append(child)
+        return found
 
     def read_cpus(self, relpath: str) -> frozenset[int]:
         return self.read_ids(relpath, "cpuset.cpus")

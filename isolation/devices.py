@@ -42,6 +42,21 @@ SAFE_DEVICES: tuple[DeviceRule, ...] = (
     DeviceRule("c", 136, None, SLOT_ACCESS),
 )
 
+#: What runc (1.1) writes into every container's v1 device cgroup whatever the container spec says:
+#: mknod of any node (opening still needs its own rule), the console and /dev/net/tun, and mknod
+#: on the pty nodes. A v1 child cgroup can only hold rules its parent has, so a slot whose worker is
+#: a container (its cgroup is the container's parent) must have these, or the container cannot
+#: start ("write devices.allow: operation not permitted"). None lets a process open any node the
+#: slot's list does not name; a sandboxed or container worker holds no CAP_MKNOD by default anyway.
+CONTAINER_RUNTIME_DEVICES: tuple[DeviceRule, ...] = (
+    DeviceRule("c", None, None, "m"),
+    DeviceRule("b", None, None, "m"),
+    DeviceRule("c", 5, 1, MADE_ACCESS),
+    DeviceRule("c", 10, 200, MADE_ACCESS),
+    DeviceRule("c", 5, 2, MADE_ACCESS),
+    DeviceRule("c", 136, None, MADE_ACCESS),
+)
+
 #: What CUDA opens besides the GPU's own node; added for GPU slots where the host has them.
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
@@ -51,14 +66,18 @@ def device_rules(
 ) -> tuple[DeviceRule, ...]:
     """The allow-list: ``safe`` plus read/write on each node it does not cover already, sorted and
     without duplicates."""
-    rules = set(safe)
-    covered = {(rule.type, rule.major, rule.minor) for rule in rules}
-    rules.update(
-        DeviceRule(node.type, node.major, node.minor, SLOT_ACCESS)
-        for node in nodes
-        if (node.type, node.major, node.minor) not in covered
-    )
-    return tuple(sorted(rules))
+    # One rule per device class: two for the same class (rw and rwm) become one with both accesses.
+    access: dict[tuple[str, int | None, int | None], str] = {}
+    for rule in safe:
+        access[rule.key] = access.get(rule.key, "") + rule.access
+    for node in nodes:
+        access.setdefault((node.type, node.major, node.minor), SLOT_ACCESS)
+    return tuple(sorted((DeviceRule(*key, "".join(set(a))) for key, a in access.items()), key=_order))
+
+
+def _order(rule: DeviceRule) -> tuple[str, int, int]:
+    """Sorted by type and numbers, '*' (None) first."""
+    return (rule.type, -1 if rule.major is None else rule.major, -1 if rule.minor is None else rule.minor)
 
 
 def resolve_device_nodes(
@@ -87,7 +106,8 @@ def resolve_device_nodes(
 def slot_device_rules(spec: SlotIsolationSpec, config: IsolatorConfig) -> tuple[DeviceRule, ...]:
     """The allow-list of ``spec``'s slot, resolving its device paths on this host."""
     optional = config.gpu_control_nodes if spec.gpu else ()
-    return device_rules(resolve_device_nodes(spec.slot_id, spec.device_paths, optional), config.safe_devices)
+    safe = (*config.safe_devices, *(CONTAINER_RUNTIME_DEVICES if spec.containers else ()))
+    return device_rules(resolve_device_nodes(spec.slot_id, spec.device_paths, optional), safe)
 
 
 def assigned_device_nodes(

@@ -444,6 +444,8 @@ class SlotIsolator:
         undo: list[Undo] = []
         try:
             cpus = self._prepare_cpus(spec, relpath, existed)
+            if existed and spec.exclusive:
+                self.pool.follow(relpath, cpus)  # with a container's cgroups below it, if any
             manager.create(cpus if spec.exclusive else None)
             if not existed:
                 undo.append(lambda: remove_subtree(self.host, relpath, self.config.kill_timeout_s))

@@ -72,6 +72,9 @@ class SlotIsolationSpec:
     gpu: bool = False
     network: SlotNetworkSpec | None = None
     l3: float | None = None
+    #: The slot's worker is a container: its device cgroup also admits what an OCI runtime writes
+    #: into the container's own device cgroup below it (isolation.devices.CONTAINER_RUNTIME_DEVICES).
+    containers: bool = False
 
     def __post_init__(self) -> None:
         validate_slot_id(self.slot_id)

@@ -112,6 +112,19 @@ class KeptWorker:
         return WorkerState(self.launch_id, self.identity, self.keeper, self.started_at, record, self.custody)
 
 
+def _subtree_procs(procs: str) -> set[int]:
+    """Every task in the cgroup of ``procs`` and in its child cgroups (a container worker's
+    processes live in cgroups podman makes below the slot's: ``<slot>/libpod-<id>``, ``<slot>/conmon``)."""
+    pids: set[int] = set()
+    for directory, _subdirs, files in os.walk(os.path.dirname(procs)):
+        if "cgroup.procs" not in files:
+            continue
+        try:
+            with open(os.path.join(directory, "cgroup.procs")) as handle:
+                pids.update(int(line) for line in handle.read().split())
+        except OSError:
+            continue  # gone meanwhile: nothing of it left there
+    return pids
 
 
 class WorkerCustody:
@@ -212,7 +225,6 @@ class WorkerCustody:
         except OSError as err:
             log(f"cannot write the state of worker {worker.identity.pid} in {worker.run_dir}: {err}")
 
-
     def _on_pidfd(self, worker: KeptWorker) -> None:
         """A worker that is not our child ended (we watch it by pidfd since we re-adopted it)."""
         if not fd_fired(worker.pidfd):
@@ -236,11 +248,7 @@ class WorkerCustody:
         if custody is not None and custody.cgroup_procs:
             pids: set[int] = set()
             for procs in custody.cgroup_procs:
-                try:
-                    with open(procs) as handle:
-                        pids.update(int(line) for line in handle.read().split())
-                except OSError:
-                    continue  # the slot is gone: nothing of it left there
+                pids.update(_subtree_procs(procs))
             pids.discard(os.getpid())
             return pids
         if worker.lost:
@@ -431,4 +439,3 @@ class WorkerCustody:
         for entry in (self.dir / IO_DIR).iterdir():
             if str(entry) not in used:
                 unlink(str(entry))
-

@@ -77,20 +77,10 @@ def write_slot_file(slot: SlotDescription, path: Path) -> Path:
     return path
 
 
-def worker_environment(
-    slot: SlotDescription,
-    slot_file: Path,
-    spec_env: Mapping[str, str],
-    *,
-    home: str = "/",
-    tmpdir: str | None = None,
-    base: Mapping[str, str] | None = None,
-) -> dict[str, str]:
-    """The full environment for a worker; ``spec_env`` wins over everything else."""
-    env: dict[str, str] = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": home}
-    env.update(base or {})
-    env["NODEAGENT_SLOT_ID"] = slot.slot_id
-    env["NODEAGENT_SLOT_FILE"] = str(slot_file)
+def slot_environment(slot: SlotDescription, slot_file: str) -> dict[str, str]:
+    """The slot's wiring alone: its id and file, thread counts sized to it, visible GPUs, FPGA
+    device paths (what a worker gets besides its base environment; also a slot's CDI device)."""
+    env = {"NODEAGENT_SLOT_ID": slot.slot_id, "NODEAGENT_SLOT_FILE": slot_file}
     threads = str(thread_count(slot))
     for name in THREAD_COUNT_VARIABLES:
         env[name] = threads
@@ -104,6 +94,22 @@ def worker_environment(
         env["NVIDIA_VISIBLE_DEVICES"] = "void"
     if slot.fpga_devices:
         env["NODEAGENT_FPGA_DEVICES"] = ",".join(slot.fpga_devices)
+    return env
+
+
+def worker_environment(
+    slot: SlotDescription,
+    slot_file: Path,
+    spec_env: Mapping[str, str],
+    *,
+    home: str = "/",
+    tmpdir: str | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The full environment for a worker; ``spec_env`` wins over everything else."""
+    env: dict[str, str] = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": home}
+    env.update(base or {})
+    env.update(slot_environment(slot, str(slot_file)))
     if tmpdir is not None:
         env["TMPDIR"] = tmpdir
     env.update(spec_env)

@@ -217,6 +217,19 @@ def read_oom_kills(events_file: str | None) -> int:
     """The ``oom_kill`` counter of a memory cgroup (v1 memory.oom_control, v2 memory.events)."""
     if events_file is None:
         return 0
+    if os.path.basename(events_file) == "memory.oom_control":
+        # v1 counts a kill in the victim's own memory cgroup only: a container worker's processes
+        # live in cgroups below the slot's (runtime/container.py), so the slot's count is the sum.
+        # v2's memory.events is hierarchical already.
+        total = 0
+        for directory, _subdirs, files in os.walk(os.path.dirname(events_file)):
+            if "memory.oom_control" in files:
+                total += _oom_kill_in(os.path.join(directory, "memory.oom_control"))
+        return total
+    return _oom_kill_in(events_file)
+
+
+def _oom_kill_in(events_file: str) -> int:
     try:
         with open(events_file) as handle:
             for line in handle:

@@ -130,6 +130,11 @@ class SupervisionLoop:
         when = time.monotonic() + due_in
         self._due[slot_id] = when
         heapq.heappush(self._agenda, (when, next(self._agenda_order), slot_id))
+        if self._wake_fd >= 0 and threading.current_thread() is not self._thread:
+            # The loop may be asleep for up to a tick with an older agenda (a worker just launched:
+            # its first readiness probe is due now, not at the next tick); the loop's own
+            # scheduling happens before it computes its next wait and needs no wake-up.
+            os.eventfd_write(self._wake_fd, 1)
         if len(self._agenda) > 2 * len(self._due) + 64:
             # Superseded entries are dropped as they come up; rescheduling far ahead of that
             # (full sweeps, long backoffs) would let them pile up, so rebuild from _due.

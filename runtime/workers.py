@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import logging
 import select
 import shutil
 import signal
@@ -34,6 +35,15 @@ from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
 from nodeagent.errors import WorkerError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
+from nodeagent.runtime.container import (
+    ContainerLauncher,
+    PodmanConfig,
+    container_launch_spec,
+    exec_argv,
+    init_path,
+    remove_container,
+    run_argv,
+)
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
@@ -41,9 +51,13 @@ from nodeagent.runtime.logs import read_log
 from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
-from nodeagent.runtime.supervisor import SlotCgroup, Supervisor, WorkerHandle
+from nodeagent.runtime.supervisor import Launcher, SlotCgroup, Supervisor, WorkerHandle
 from nodeagent.schema.worker import Probe, WorkerSpec
 
+log = logging.getLogger("nodeagent.runtime")
+
+#: In a slot's worker directory: the slot's worker is (or was) a container.
+CONTAINER_MARKER = "container"
 #: An exec probe's output is kept small: its last 64 KiB, in one rotation.
 PROBE_LOG_BYTES = 64 * 1024
 #: After killing a probe that overran its timeout, how long to wait for its record.
@@ -143,10 +157,15 @@ class SlotExecProbe:
     (runtime.md); the keeper's children already know how to enter a slot, and the keeper's custody
     gives the probe's exit status and ends its tree, also if the agent dies mid-probe."""
 
-    def __init__(self, template: LaunchRequest, keeper: KeeperClient, directory: Path) -> None:
+    def __init__(
+        self, template: LaunchRequest, keeper: KeeperClient, directory: Path, prefix: tuple[str, ...] = ()
+    ) -> None:
+        """``prefix``: put before the probe's argv (``podman exec <container>`` for a container
+        worker, whose namespaces are the container's, not a sandbox the keeper can join)."""
         self._template = template
         self._keeper = keeper
         self._dir = directory
+        self._prefix = prefix
         self._numbers = itertools.count(1)
 
     def __call__(self, probe: Probe, handle: WorkerHandle) -> bool:
@@ -159,7 +178,7 @@ class SlotExecProbe:
         req = dataclasses.replace(
             self._template,
             launch_id=f"{self._template.launch_id}-probe-{next(self._numbers)}",
-            argv=probe.argv,
+            argv=(*self._prefix, *probe.argv),
             run_dir=str(self._dir / "run"),
             log_dir=str(self._dir / "logs"),
             join=join,
@@ -199,13 +218,19 @@ class KeeperRuntime:
     """The real :class:`WorkerRuntime` (see the module docstring for the directory layout)."""
 
     def __init__(
-        self, workers_dir: Path, host: CgroupHost | None, keeper: KeeperClient | None = None
+        self,
+        workers_dir: Path,
+        host: CgroupHost | None,
+        keeper: KeeperClient | None = None,
+        podman: PodmanConfig | None = None,
     ) -> None:
         """``keeper``: the connection to the host keeper; by default one for ``<workers_dir>/../keeper``,
-        which connects (starting the keeper if none runs) at the first launch or re-adoption."""
+        which connects (starting the keeper if none runs) at the first launch or re-adoption.
+        ``podman``: how container workers are run (runtime/container.py)."""
         self._dir = workers_dir
         self._host = host
         self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
+        self._podman = podman or PodmanConfig()
 
     def supervisor(
         self,
@@ -215,11 +240,20 @@ class KeeperRuntime:
         sandbox: SandboxSpec | None = None,
     ) -> Supervisor:
         worker_dir = self._dir / slot.slot_id
-        template = build_launch_request(spec, slot, slot_binding(applied), worker_dir, sandbox)
         # A worker in its own network namespace listens on the slot's address, which the host
         # reaches over the slot's veth; 127.0.0.1 here would be the host's loopback, not the slot's.
         network = applied.network if applied is not None else None
         probe_host = str(network.slot_address) if network is not None else "127.0.0.1"
+        if spec.container is not None:
+            return self._container_supervisor(
+                slot=slot,
+                applied=applied,
+                spec=spec,
+                sandbox=sandbox,
+                worker_dir=worker_dir,
+                probe_host=probe_host,
+            )
+        template = build_launch_request(spec, slot, slot_binding(applied), worker_dir, sandbox)
         return Supervisor(
             spec,
             template,
@@ -227,6 +261,46 @@ class KeeperRuntime:
             self._cgroup(applied),
             probe_host=probe_host,
             exec_probe=SlotExecProbe(template, self._keeper, Path(template.run_dir).parent / "probe"),
+        )
+
+    def _container_supervisor(
+        self,
+        *,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None,
+        worker_dir: Path,
+        probe_host: str,
+    ) -> Supervisor:
+        """``podman run`` is the worker (runtime/container.py): it runs as root without the keeper's
+        sandbox (podman needs mounts and namespaces of its own); the container gets the sandbox's
+        identity and capabilities instead."""
+        assert spec.container is not None
+        binding = slot_binding(applied)
+        podman = self._podman.binary()
+        argv = run_argv(
+            podman or self._podman.podman or "podman",
+            self._podman,
+            spec,
+            spec.container,
+            slot_id=slot.slot_id,
+            cgroup=applied.cgroup if applied is not None else None,
+            sandbox=sandbox,
+            init=init_path(),
+        )
+        template = build_launch_request(container_launch_spec(spec, argv), slot, binding, worker_dir, None)
+        # What discard() needs to find the container again, also after an agent restart.
+        (worker_dir / CONTAINER_MARKER).write_text(spec.container.image + "\n")
+        launcher: Launcher = ContainerLauncher(self._keeper, podman, self._podman, spec.container.image)
+        prefix = exec_argv(podman or "podman", self._podman, slot.slot_id, ())
+        return Supervisor(
+            spec,
+            template,
+            launcher,
+            self._cgroup(applied),
+            probe_host=probe_host,
+            exec_probe=SlotExecProbe(template, self._keeper, worker_dir / "probe", prefix),
         )
 
     def _cgroup(self, applied: AppliedSlot | None) -> SlotCgroup:
@@ -244,6 +318,17 @@ class KeeperRuntime:
         return [line.render() for line in read_log(self._dir / slot_id / "logs", lines)]
 
     def discard(self, slot_id: str) -> None:
+        if (self._dir / slot_id / CONTAINER_MARKER).exists():
+            # Its container normally went with its worker (--rm); one whose podman was killed is
+            # still in podman's store.
+            podman = self._podman.binary()
+            if podman is not None:
+                try:
+                    remove_container(podman, self._podman, slot_id)
+                except WorkerError as err:
+                    # The slot is gone already; a container left in podman's store holds nothing of
+                    # it (its cgroups went with the slot's) and --replace takes its name next time.
+                    log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
         shutil.rmtree(self._dir / slot_id, ignore_errors=True)
 
     def close(self) -> None:

@@ -265,6 +265,44 @@ class WorkerSandbox(StrictModel):
         return self
 
 
+# --------------------------------------------------------------------------- containers
+
+
+def _mount_path(value: str) -> str:
+    if not value.startswith("/") or any(c in value for c in ":,\0"):
+        raise ValueError(f"give an absolute path without ':' or ',', got {shown(value)}")
+    return value
+
+
+MountPath = Annotated[
+    str, AfterValidator(_mount_path), Field(min_length=1, max_length=4096, pattern="^/[^:,\\u0000]*$")
+]
+
+
+class ContainerMount(StrictModel):
+    """A host path bind-mounted into the container."""
+
+    source: MountPath = Field(description="The host path (absolute).")
+    target: MountPath = Field(description="Where it appears in the container (absolute).")
+    read_only: bool = Field(default=True, description="Read-only unless false.")
+
+
+class ContainerSpec(StrictModel):
+    """Run the worker as a container (podman, inside the slot's cgroups; docs/containers.md)."""
+
+    image: Annotated[str, Field(min_length=1, max_length=4096, pattern="^[^\\s\\u0000]+$")] = Field(
+        description="An image in the host's local storage (never pulled), e.g. localhost/server:1."
+    )
+    command: Argv | None = Field(
+        default=None, description="Replaces the image's entrypoint (argv, not a shell line)."
+    )
+    args: Annotated[tuple[Annotated[str, Field(pattern=_NO_NUL)], ...], AsTuple] = Field(
+        default=(), max_length=4096, description="Arguments to the entrypoint (the image's CMD when empty)."
+    )
+    read_only: bool = Field(default=False, description="A read-only root file system (/tmp, /run writable).")
+    mounts: Annotated[tuple[ContainerMount, ...], AsTuple] = Field(default=(), max_length=64)
+
+
 # --------------------------------------------------------------------------- the spec
 
 
@@ -340,14 +378,37 @@ class WorkerSpec(StrictModel):
         description="Opt-outs from the worker's sandbox, each by name and each allowed by the agent's "
         "configuration; without it the worker is fully confined.",
     )
+    container: ContainerSpec | None = Field(
+        default=None,
+        description="Run the worker as this container instead of a command (podman, in the slot's cgroups).",
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> WorkerSpec:
-        if self.command is None and self.preset in (None, "generic"):
-            raise ValueError("command is missing; give the worker's argv, or a preset that knows its command")
+        if self.container is not None:
+            self._container_fits()
+        elif self.command is None and self.preset in (None, "generic"):
+            raise ValueError(
+                "command is missing; give the worker's argv, a container, or a preset that knows its command"
+            )
         if self.liveness is not None and self.liveness.success_threshold != 1:
             raise ValueError("liveness.success_threshold must be 1")
         return self
+
+    def _container_fits(self) -> None:
+        if self.command is not None:
+            raise ValueError(
+                "give command or container, not both; a container's own command is container.command"
+            )
+        if self.preset is not None:
+            raise ValueError("preset does not apply to a container; give container.command/args and probes")
+        if self.group is not None or self.supplementary_groups:
+            raise ValueError("group and supplementary_groups do not apply to a container (it runs as user)")
+        if self.sandbox is not None and (self.sandbox.allow_syscalls or self.sandbox.tmp_size is not None):
+            raise ValueError(
+                "sandbox.allow_syscalls and sandbox.tmp_size do not apply to a container (podman's seccomp "
+                "profile; its /tmp is the image's)"
+            )
 
 
 def parse_worker_spec(obj: Any) -> WorkerSpec:
@@ -362,6 +423,8 @@ __all__ = [
     "OIP_LIVE_PATH",
     "OIP_READY_PATH",
     "PRESET_NAMES",
+    "ContainerMount",
+    "ContainerSpec",
     "ExecCheck",
     "HttpCheck",
     "Probe",

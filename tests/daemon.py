@@ -33,6 +33,14 @@ def without_host_partitioning(config_toml: str) -> str:
     return f"[isolation]\n{line}\n{config_toml}"
 
 
+def with_private_cdi_dir(config_toml: str, work: Path) -> str:
+    """``config_toml`` with ``[cdi] dir`` in ``work`` unless it says otherwise: a test's agent must
+    not share the host's CDI directory, whose stale specs every agent removes at start."""
+    if "[cdi]" in config_toml:
+        return config_toml
+    return f'{config_toml}\n[cdi]\ndir = "{work / "cdi-specs"}"\n'
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +89,7 @@ class DaemonProcess:
         work.mkdir(parents=True, exist_ok=True)
         self.state = work / "state"
         self.config = work / "config.toml"
-        self.config.write_text(without_host_partitioning(config_toml))
+        self.config.write_text(with_private_cdi_dir(without_host_partitioning(config_toml), work))
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = work / "daemon.log"
         self.process: subprocess.Popen[bytes] | None = None

@@ -78,6 +78,15 @@ class FakeSlotService:
         with self._lock:
             return self._find(slot_id).logs[-lines:]
 
+    def cdi_spec(self, slot_id: str) -> dict[str, Any]:
+        with self._lock:
+            slot = self._find(slot_id).view
+        return {
+            "cdiVersion": "0.4.0",
+            "kind": "nodeagent.io/slot",
+            "devices": [{"name": slot.name, "containerEdits": {"env": [f"NODEAGENT_SLOT_ID={slot.id}"]}}],
+        }
+
     def ready(self) -> bool:
         return self.is_ready
 

@@ -554,3 +554,13 @@ def test_a_405_lists_every_method_of_the_path() -> None:
     response = asyncio.run(call())
     assert response.status_code == 405
     assert set(response.headers["allow"].split(", ")) >= {"GET", "PATCH", "DELETE"}
+
+
+def test_a_slots_cdi_spec_is_served_as_the_service_gives_it(client: AppClient) -> None:
+    created = client.post("/v1/slots", json={"name": "llm-a", "qos": "guaranteed", "resources": {"cpus": 1}})
+    assert created.status_code == 201
+    spec = client.get("/v1/slots/llm-a/cdi")
+    assert spec.status_code == 200
+    assert spec.json()["kind"] == "nodeagent.io/slot"
+    assert spec.json()["devices"][0]["name"] == "llm-a"
+    assert error_of(client.get("/v1/slots/nope/cdi"))[:2] == (404, "not_found")

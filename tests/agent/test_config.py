@@ -270,3 +270,33 @@ def test_no_controller_url_means_no_reporter(tmp_path: Path) -> None:
 
     config = apply_overrides(parse_config({}), state_dir=tmp_path)
     assert _reporter(config, FakeService(), Metrics(), None) is None
+
+
+def test_every_key_is_documented_and_in_the_example() -> None:
+    """docs/configuration.md has a table row for every key of every section, and
+    docs/config.example.toml shows each key: the three are kept in step."""
+    import dataclasses
+    import tomllib
+
+    from nodeagent.agent.config import _SECTIONS
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = (docs / "configuration.md").read_text()
+    raw = (docs / "config.example.toml").read_text()
+    example = tomllib.loads(raw)
+    defaults = parse_config({})
+    missing = []
+    for section, cls in _SECTIONS.items():
+        start = text.find(f"## [{section}]")
+        assert start >= 0, f"configuration.md has no [{section}] section"
+        end = text.find("\n## ", start + 1)
+        body = text[start : end if end >= 0 else len(text)]
+        for f in dataclasses.fields(cls):
+            if f"| `{f.name}` |" not in body:
+                missing.append(f"configuration.md [{section}] {f.name}")
+            # A key without a value to write (None by default) is shown commented out.
+            if f.name not in example.get(section, {}) and f"# {f.name} =" not in raw:
+                missing.append(f"config.example.toml [{section}] {f.name}")
+    assert missing == []
+    # The example's values for the two new sections are the defaults.
+    assert parse_config({"cdi": example["cdi"], "containers": example["containers"]}) == defaults

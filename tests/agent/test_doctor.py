@@ -19,6 +19,7 @@ from nodeagent.agent.doctor import (
 )
 from nodeagent.cli.cmd_doctor import command
 from nodeagent.devices.topology import Fpga, Gpu, MigInstance, MigState
+from nodeagent.runtime.podman_facts import PodmanFacts
 from tests.trees import write_tree
 
 ALL_CAPS = "000001ffffffffff"
@@ -98,6 +99,7 @@ def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRo
         "bpf_probe": lambda: None,
         "firewall_probe": lambda: None,
         "sandbox_probe": lambda: {"namespace mount": "ok", "seccomp filter": "ok"},
+        "podman_probe": lambda podman: PodmanFacts("4.3.1", "crun", "crun version 1.8.1", "cgroupfs"),
         "which": lambda name: f"/usr/sbin/{name}",
         "gpus": lambda sys_root: (),
         "fpgas": lambda sys_root, dev_root: (),
@@ -125,6 +127,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "network namespaces",
             "network firewall",
             "worker sandbox",
+            "container workers",
             "GPUs",
             "MIG",
             "FPGAs",
@@ -459,6 +462,8 @@ def test_foreign_cpu_time_warns_above_one_percent() -> None:
     assert foreign.status == "WARN"
     assert foreign.detail.startswith("b (CPUs 2): 30.00%")
     assert agent_checks({}, [shared])[1].detail == "no guaranteed slot to measure"
+
+
 def test_sandbox_that_works_is_ok_and_says_what_was_tried(tmp_path: Path) -> None:
     found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2)))["worker sandbox"]
     assert found.status == "OK"
@@ -498,3 +503,33 @@ def test_sandbox_is_not_tried_without_root(tmp_path: Path) -> None:
         "worker sandbox"
     ]
     assert (found.status, "not root" in found.detail) == ("WARN", True)
+
+
+def test_container_workers(tmp_path: Path) -> None:
+    found = by_name(run_checks(fake_host(tmp_path, HEALTHY_V2)))["container workers"]
+    assert (found.status, found.detail) == (
+        "OK",
+        "podman 4.3.1, runtime crun (podman's default crun crun version 1.8.1)",
+    )
+    hybrid = by_name(run_checks(fake_host(tmp_path / "h", HYBRID)))["container workers"]
+    assert hybrid.detail.startswith("podman 4.3.1, runtime runc")  # crun refuses hybrid hosts
+    no_podman = fake_host(
+        tmp_path / "n", HYBRID, which=lambda name: None if name == "podman" else f"/usr/bin/{name}"
+    )
+    missing = by_name(run_checks(no_podman))["container workers"]
+    assert (missing.status, missing.hint) == (
+        "WARN",
+        "apt-get install podman runc catatonit (command workers are not affected)",
+    )
+    no_runc = fake_host(
+        tmp_path / "r", HYBRID, which=lambda name: None if name == "runc" else f"/usr/bin/{name}"
+    )
+    found = by_name(run_checks(no_runc))["container workers"]
+    assert (found.status, found.hint) == ("WARN", "apt-get install runc")
+
+    def broken(podman: str) -> PodmanFacts:
+        raise ValueError("database is locked")
+
+    found = by_name(run_checks(fake_host(tmp_path / "b", HYBRID, podman_probe=broken)))["container workers"]
+    assert found.status == "WARN"
+    assert "database is locked" in found.detail

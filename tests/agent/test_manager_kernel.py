@@ -38,7 +38,10 @@ def config(tmp_path: Path) -> Iterator[object]:
     cfg = apply_overrides(
         # Its own firewall table too: remove_all() below deletes the configured one.
         parse_config(
-            {"isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m", **HOST_OFF}}
+            {
+                "isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}m", **HOST_OFF},
+                "cdi": {"dir": str(tmp_path / "cdi")},  # not the host's CDI directory
+            }
         ),
         state_dir=tmp_path / "state",
     )

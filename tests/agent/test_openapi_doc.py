@@ -33,6 +33,7 @@ def test_document_describes_every_path_with_bearer_auth_except_health() -> None:
         "/v1/slots/{slot_id}",
         "/v1/slots/{slot_id}/worker",
         "/v1/slots/{slot_id}/logs",
+        "/v1/slots/{slot_id}/cdi",
     }
     assert doc["security"] == [{"bearerAuth": []}]
     assert doc["paths"]["/healthz"]["get"]["security"] == []

@@ -44,6 +44,7 @@ def config(tmp_path: Path) -> Iterator[AgentConfig]:
             {
                 "isolation": {"cgroup_parent": PARENT, "firewall_table": f"natest{os.getpid()}q"},
                 "qos": {"period_seconds": 0.25, "restore_after_seconds": 1.0, "evict_grace_seconds": 2.0},
+                "cdi": {"dir": str(tmp_path / "cdi")},  # not the host's CDI directory
             }
         ),
         state_dir=tmp_path / "state",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -204,3 +205,28 @@ def test_release_stops_the_watched_worker(supervised: tuple[SlotManager, SleepRu
     manager.release(slot_id)
     assert process.poll() is not None
     assert manager.list_slots() == []
+
+
+def test_a_new_workers_first_probe_does_not_wait_for_the_next_tick(
+    tmp_path: Path, started: list[subprocess.Popen[bytes]]
+) -> None:
+    # The loop sleeps up to a tick (an hour here) on the agenda it had; a worker launched meanwhile
+    # has its first readiness probe due at once, so adding it wakes the loop.
+    runtime = SleepRuntime(World(), started)
+    manager = SlotManager(
+        StateStore(tmp_path / "state.db"), TOPOLOGY, FakeIsolation(World()), runtime, tick_seconds=3600
+    )
+    manager.start()
+    try:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            probe = {"tcp": {"port": listener.getsockname()[1]}, "period_seconds": 1}
+            slot_id = manager.allocate(
+                parse_slot_request(
+                    {**guaranteed(cpus=1), "worker": {"command": ["sleep"], "readiness": probe}}
+                )
+            ).slot.id
+            wait_for(lambda: worker(manager, slot_id)["phase"] == "running")
+    finally:
+        manager.close()

@@ -98,6 +98,10 @@ def test_allocate_list_show_logs_release(agent: Agent) -> None:
     code, out, _ = run(agent, "logs", "s1", "--lines", "2")
     assert (code, out) == (0, "llm-a line 3\nllm-a line 4\n")
 
+    code, out, _ = run(agent, "cdi", "llm-a")
+    assert code == 0
+    assert json.loads(out)["devices"][0]["name"] == "llm-a"  # the API's spec, as JSON
+
     code, out, _ = run(agent, "release", "s1")
     assert (code, out) == (0, "released s1\n")
     assert agent.service.list_slots() == []

@@ -95,6 +95,7 @@ def config_for(tmp_path: Path, tag: str, sandbox: dict[str, Any] | None = None) 
         parse_config(
             {
                 "sandbox": sandbox or {},
+                "cdi": {"dir": str(tmp_path / "cdi")},  # not the host's CDI directory
                 "isolation": {
                     "cgroup_parent": f"natest{pid}{tag}.slice",
                     "firewall_table": f"natest{pid}{tag}",

@@ -252,6 +252,34 @@ def test_reserving_every_cpu_is_a_config_error(tmp_path: Path) -> None:
         SharedPool(host, Hierarchy(PARENT), TWO_NODES, F(range(8)))
 
 
+def test_cgroups_a_container_runtime_made_below_a_slot_follow_its_cpus(fake_pool) -> None:
+    # podman's cgroups below a slot hold a copy of the slot's CPUs; v1 refuses to cut the slot
+    # below them (EBUSY), so they are planned with the slot, each cut before its parent.
+    pool, mount = fake_pool(
+        {
+            PARENT: _cpuset("0-7"),
+            f"{PARENT}/burstable": _cpuset("0-7"),
+            f"{PARENT}/best-effort": _cpuset("0-7"),
+            f"{PARENT}/burstable/web": _cpuset("0-7"),
+            f"{PARENT}/burstable/web/libpod-abc": _cpuset("0-7"),
+            f"{PARENT}/burstable/web/conmon": _cpuset("0-7"),
+            f"{PARENT}/guaranteed-a": _cpuset("2-3", "0"),
+            f"{PARENT}/guaranteed-a/libpod-def": _cpuset("2-3", "0"),
+        }
+    )
+    assert pool.sync() == F({0, 1, 4, 5, 6, 7})
+    for relpath in ("burstable/web", "burstable/web/libpod-abc", "burstable/web/conmon"):
+        assert _cpus(mount, f"{PARENT}/{relpath}") == "0-1,4-7"
+    pool.follow(f"{PARENT}/guaranteed-a", F({3, 4}))
+    assert _cpus(mount, f"{PARENT}/guaranteed-a") == "3-4"
+    assert _cpus(mount, f"{PARENT}/guaranteed-a/libpod-def") == "3-4"
+    groups = [
+        CpusetGroup(f"{PARENT}/guaranteed-a", F({2, 3}), F({3})),
+        CpusetGroup(f"{PARENT}/guaranteed-a/libpod-def", F({2, 3}), F({3})),
+    ]
+    assert [path for path, _ in plan_cpuset_writes(groups)] == [groups[1].relpath, groups[0].relpath]
+
+
 @pytest.mark.parametrize(
     ("cpus", "limit", "expected"),
     [

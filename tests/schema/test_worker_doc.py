@@ -7,12 +7,20 @@ from pathlib import Path
 import pytest
 
 from nodeagent.runtime.presets import PRESETS
-from nodeagent.schema.worker import Probe, WorkerSpec
+from nodeagent.schema.worker import ContainerMount, ContainerSpec, Probe, WorkerSpec
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "worker-spec.md").read_text()
 
 
-@pytest.mark.parametrize("field", [*WorkerSpec.model_fields, *Probe.model_fields])
+@pytest.mark.parametrize(
+    "field",
+    [
+        *WorkerSpec.model_fields,
+        *Probe.model_fields,
+        *ContainerSpec.model_fields,
+        *ContainerMount.model_fields,
+    ],
+)
 def test_every_field_has_a_row(field: str) -> None:
     assert f"| `{field}` |" in DOC, f"docs/worker-spec.md has no row for {field}"
 
