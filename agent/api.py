@@ -135,6 +135,13 @@ def error_response(
 # --------------------------------------------------------------------------- request/response models
 
 
+class EndpointModel(BaseModel):
+    name: str = Field(description='The port\'s name: "http", "grpc", "metrics", "management", ...')
+    protocol: Literal["http", "grpc", "tcp"]
+    address: str
+    port: int
+
+
 class SlotModel(BaseModel):
     id: str
     name: str
@@ -163,6 +170,13 @@ class SlotModel(BaseModel):
             "`fraction` of the slot's CPU capacity over that time, `irq_seconds` of it handling "
             "interrupts. Null where it cannot be measured."
         ),
+    )
+    endpoints: list[EndpointModel] = Field(
+        default_factory=list,
+        description="Where its worker serves: one per named port the slot holds (its worker's preset's "
+        "and its own `ports`), kept while the slot exists. `address` is where the agent reaches it: the "
+        "slot's own address when it has a network namespace, else 127.0.0.1 (the worker is on the "
+        "host's network: the node's addresses reach it).",
     )
 
 

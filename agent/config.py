@@ -31,6 +31,7 @@ from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
+from nodeagent.runtime.ports import DEFAULT_PORT_RANGE, parse_port_range
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -125,6 +126,12 @@ class WorkersConfig:
     #: the longest the supervision loop sleeps (exits wake it at once, probes when due); also the
     #: poll interval for a worker without a pidfd
     tick_seconds: float = 0.5
+    #: host ports workers' named ports are assigned from ("FIRST-LAST"; runtime/ports.py)
+    port_range: str = DEFAULT_PORT_RANGE
+
+    @property
+    def port_bounds(self) -> tuple[int, int]:
+        return parse_port_range(self.port_range)
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,14 @@ def _convert(value: Any, annotation: str, key: str, source: str | None) -> Any:
     raise AssertionError(f"no converter for {annotation}")  # pragma: no cover - a new field type
 
 
+def _port_range_ok(text: str) -> bool:
+    try:
+        parse_port_range(text)
+    except ConfigError:
+        return False
+    return True
+
+
 def _validate(config: AgentConfig) -> None:
     """Cross-field and range checks, with the key named."""
     src = config.source
@@ -258,6 +273,7 @@ def _validate(config: AgentConfig) -> None:
         ("controller.interval_seconds", config.controller.interval_seconds > 0, "a number above 0"),
         ("controller.timeout_seconds", config.controller.timeout_seconds > 0, "a number above 0"),
         ("workers.tick_seconds", 0 < config.workers.tick_seconds <= 60, "a number of seconds in (0, 60]"),
+        ("workers.port_range", _port_range_ok(config.workers.port_range), 'FIRST-LAST such as "20000-29999"'),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
         (
             "isolation.host_partitioning",

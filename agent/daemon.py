@@ -278,6 +278,7 @@ def build_manager(
         node_id=config.controller.resolved_node_id,
         allow_unisolated=config.isolation.allow_unisolated,
         tick_seconds=config.workers.tick_seconds,
+        port_range=config.workers.port_bounds,
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),

@@ -83,7 +83,8 @@ from nodeagent.placement import (
     placement_index,
     plan,
 )
-from nodeagent.runtime.presets import resolve
+from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
+from nodeagent.runtime.presets import resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import Readoption, WorkerRuntime
@@ -157,8 +158,12 @@ class SlotManager:
         clock: Callable[[], float] = time.time,
         host: HostPartitioning | None = None,
         sandbox: SandboxPolicy | None = None,
+        port_range: tuple[int, int] = (20000, 29999),
+        port_in_use: Callable[[int], bool] = in_use_on_host,
     ) -> None:
-        """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
+        """``port_range``: where workers' ports are assigned from; ``port_in_use``: whether a host
+        port has a listener outside the slots (runtime.ports).
+        ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
         self._store = store
@@ -171,6 +176,8 @@ class SlotManager:
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
+        self._port_range = port_range
+        self._port_in_use = port_in_use
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -338,6 +345,10 @@ class SlotManager:
                 self._store.add_event(
                     "allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id
                 )
+                if req.worker is not None:
+                    # In the same commit: a port that is taken refuses the allocate before anything
+                    # is placed or built, and the slot never exists without the ports it was told.
+                    self._assign_ports(slot.id, req.worker)
             self._ledger = self._ledger.add(assignment)
             try:
                 return self._finish_allocate(slot, req)
@@ -518,7 +529,9 @@ class SlotManager:
                     return self._view(slot)
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
-            self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            with self._store.transaction():
+                self._assign_ports(slot.id, body)
+                self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
             self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
@@ -553,7 +566,8 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
-        resolved = resolve(spec)
+        ports = self._assign_ports(slot.id, spec)
+        resolved = resolve(spec, {p.name: p.port for p in ports})
         sandbox = None
         if self._sandbox is not None and self._sandbox.active:
             # The slot's own uid, kept in the database while the slot exists (freed with its row).
@@ -562,6 +576,12 @@ class SlotManager:
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
         return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
+
+    def _assign_ports(self, slot_id: str, spec: WorkerSpec) -> list[SlotPort]:
+        """The slot's host ports for ``spec``'s named ports (its preset's and its own), recorded;
+        those it holds already are kept. Conflict when a port asked for is taken."""
+        first, last = self._port_range
+        return self._store.assign_ports(slot_id, wanted_ports(spec), first, last, self._port_in_use)
 
     # ------------------------------------------------------------------ supervision
 
@@ -705,7 +725,7 @@ class SlotManager:
             return
         try:
             supervisor = self._make_supervisor(slot, worker.spec)
-        except (InvalidRequest, WorkerError) as err:
+        except (InvalidRequest, WorkerError, Conflict) as err:
             self._store.add_event("worker", f"cannot supervise the stored worker: {err}", slot.id)
             return
         found = self._runtime.readopt(slot.id, supervisor)
@@ -757,7 +777,14 @@ class SlotManager:
             if self._sandbox is not None and self._sandbox.active
             else None
         )
-        return dataclasses.replace(slot, worker=status, foreign_cpu=self._foreign_cpu(slot), sandbox_uid=uid)
+        network = slot.network
+        address = str(network.slot_address) if network is not None else "127.0.0.1"
+        endpoints = tuple(
+            Endpoint(p.name, p.protocol, address, p.port) for p in self._store.slot_ports(slot.id)
+        )
+        return dataclasses.replace(
+            slot, worker=status, foreign_cpu=self._foreign_cpu(slot), sandbox_uid=uid, endpoints=endpoints
+        )
 
     def _notify(self) -> None:
         for callback in list(self._subscribers):

@@ -20,6 +20,7 @@ from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
+from nodeagent.runtime.ports import Endpoint
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import QoS, SlotRequest, request_to_dict
 from nodeagent.schema.worker import WorkerSpec
@@ -60,6 +61,9 @@ class Slot:
     #: The slot's own uid for its sandboxed workers, once it has one; set on slots read through
     #: the service (the state store keeps it in a table of its own).
     sandbox_uid: int | None = None
+    #: Where its worker serves: one per named port the slot holds; set on slots read through the
+    #: service (the state store keeps the ports in a table of their own).
+    endpoints: tuple[Endpoint, ...] = ()
 
     @property
     def qos(self) -> QoS:
@@ -97,6 +101,7 @@ class Slot:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             "foreign_cpu": None if self.foreign_cpu is None else self.foreign_cpu.to_json(),
+            "endpoints": [e.to_json() for e in self.endpoints],
         }
 
 

@@ -451,6 +451,7 @@ def format_slot(slot: Mapping[str, Any], now: float | None = None) -> str:
         f"  cgroup    {slot.get('cgroup') or '-'}",
     ]
     lines += _worker_lines(slot.get("worker"), time.time() if now is None else now)
+    lines.extend(f"  endpoint  {_endpoint(e)}" for e in slot.get("endpoints") or [])
     if slot.get("reason"):
         lines.append(f"  reason    {slot['reason']}")
     foreign = slot.get("foreign_cpu")
@@ -458,6 +459,12 @@ def format_slot(slot: Mapping[str, Any], now: float | None = None) -> str:
         lines.append(f"  foreign   {_foreign(foreign)}")
     lines.extend(f"  why       {r}" for r in assignment.get("reasons", []))
     return "\n".join(lines)
+
+
+def _endpoint(endpoint: Mapping[str, Any]) -> str:
+    """``http  127.0.0.1:20000 (http)``: a named port and where it is reached."""
+    where = f"{endpoint.get('address')}:{endpoint.get('port')}"
+    return f"{endpoint.get('name')}  {where} ({endpoint.get('protocol')})"
 
 
 def _foreign(foreign: Mapping[str, Any]) -> str:

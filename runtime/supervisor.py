@@ -182,6 +182,9 @@ class ProbeTracker:
 
 def check_probe(probe: Probe, host: str) -> bool:
     """Run one probe for real: HTTP 2xx/3xx, a TCP connect, or an exec that exits 0."""
+    if isinstance(probe.port, str):
+        # Port names are bound to numbers before a supervisor exists (runtime.ports.bind).
+        raise WorkerError(f"probe port {probe.port!r} was never bound to a host port")
     try:
         if probe.kind is ProbeKind.HTTP:
             conn = http.client.HTTPConnection(host, probe.port, timeout=probe.timeout_seconds)

@@ -146,15 +146,41 @@ Count = Annotated[int, Field(ge=1, le=1000)]
 # --------------------------------------------------------------------------- probes
 
 
+#: A named port of the worker ("http", "grpc", "metrics", "management"): lower case, like a
+#: Kubernetes port name, so that it also makes an environment variable (NODEAGENT_PORT_HTTP).
+PORT_NAME_PATTERN = "^[a-z][a-z0-9_]{0,14}$"
+PortName = Annotated[str, Field(pattern=PORT_NAME_PATTERN)]
+#: A probe's port: a number, or the name of one of the worker's ports (the agent assigns it).
+ProbePort = Annotated[
+    Port | PortName,
+    Field(description='A TCP port, or the name of one of the worker\'s ports ("http", "grpc").'),
+]
+PortProtocol = Literal["http", "grpc", "tcp"]
+
+
+class WorkerPort(StrictModel):
+    """One named port of the worker: a host port the agent assigns from its ``[workers] port_range``,
+    or the one asked for here (refused when taken)."""
+
+    port: Port | None = Field(
+        default=None, description="This host port exactly (refused when in use); default: one assigned."
+    )
+    protocol: PortProtocol | None = Field(
+        default=None,
+        description='What speaks on it: "http", "grpc" or "tcp"; default "grpc" for a port named grpc, '
+        '"http" otherwise.',
+    )
+
+
 class HttpCheck(StrictModel):
-    port: Port
+    port: ProbePort
     path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")] = Field(
         default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy."
     )
 
 
 class TcpCheck(StrictModel):
-    port: Port
+    port: ProbePort
 
 
 class ExecCheck(StrictModel):
@@ -188,7 +214,9 @@ class Probe(StrictModel):
         return next(kind for kind in ProbeKind if getattr(self, kind.value) is not None)
 
     @property
-    def port(self) -> int | None:
+    def port(self) -> int | str | None:
+        """The port checked: a number, or a port's name until the agent has bound the spec to its
+        slot's ports (``nodeagent.runtime.ports``)."""
         check = self.http or self.tcp
         return None if check is None else check.port
 
@@ -332,7 +360,17 @@ class WorkerSpec(StrictModel):
     preset: Literal["triton", "torchserve", "tfserving", "generic"] | None = Field(
         default=None, description="A known server whose command and probes fill what the spec leaves out."
     )
-    port: Port | None = Field(default=None, description="The port the server listens on (used by presets).")
+    port: Port | None = Field(
+        default=None,
+        description="With a preset: the host port of its `http` port (the same as "
+        '`"ports": {"http": {"port": N}}`); default: one the agent assigns.',
+    )
+    ports: Annotated[dict[PortName, WorkerPort], Field(max_length=16)] = Field(
+        default_factory=dict,
+        description='Named ports ({"http": {}, "grpc": {"port": 9001}}), added to its preset\'s: each gets a '
+        "free host port from the agent's range (or the one asked for), kept while the slot exists, "
+        'substituted for "{port:NAME}" in command and env, and shown as the slot\'s endpoints.',
+    )
     model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     model_repository: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     sandbox: WorkerSandbox | None = Field(
@@ -347,6 +385,17 @@ class WorkerSpec(StrictModel):
             raise ValueError("command is missing; give the worker's argv, or a preset that knows its command")
         if self.liveness is not None and self.liveness.success_threshold != 1:
             raise ValueError("liveness.success_threshold must be 1")
+        asked = self.ports.get("http")
+        if self.port is not None and asked is not None and asked.port not in (None, self.port):
+            raise ValueError(
+                f"port is {self.port} but ports.http.port is {asked.port}; they name the same port, give one"
+            )
+        numbers = [p.port for p in self.ports.values() if p.port is not None]
+        repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"ports: port {repeated[0]} is asked for by more than one name; give each its own"
+            )
         return self
 
 
@@ -361,13 +410,16 @@ def parse_worker_spec(obj: Any) -> WorkerSpec:
 __all__ = [
     "OIP_LIVE_PATH",
     "OIP_READY_PATH",
+    "PORT_NAME_PATTERN",
     "PRESET_NAMES",
     "ExecCheck",
     "HttpCheck",
+    "PortProtocol",
     "Probe",
     "ProbeKind",
     "RestartPolicy",
     "TcpCheck",
+    "WorkerPort",
     "WorkerSandbox",
     "WorkerSpec",
     "parse_worker_spec",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from nodeagent.agent.config import (
+    _SECTIONS,
     AgentConfig,
     apply_overrides,
     default_state_dir,
@@ -199,6 +202,12 @@ def test_example_config_in_docs_loads() -> None:
     example = Path(__file__).resolve().parents[2] / "docs" / "config.example.toml"
     config = load_config(example)
     assert config.api.listen == "127.0.0.1:7070"
+    assert config.workers.port_bounds == (20000, 29999)
+
+
+def test_a_bad_port_range_is_refused_with_its_key() -> None:
+    with pytest.raises(ConfigError, match=r"workers\.port_range is '9-1'; expected FIRST-LAST"):
+        parse_config({"workers": {"port_range": "9-1"}})
 
 
 def test_controller_settings_reach_the_reporter(tmp_path: Path) -> None:
@@ -243,3 +252,17 @@ def test_no_controller_url_means_no_reporter(tmp_path: Path) -> None:
 
     config = apply_overrides(parse_config({}), state_dir=tmp_path)
     assert _reporter(config, FakeService(), Metrics(), None) is None
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [(name, f.name) for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)],
+)
+def test_every_key_is_documented_and_in_the_example(section: str, key: str) -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    documented = (docs / "configuration.md").read_text()
+    assert f"| `{key}` |" in documented, f"configuration.md lacks [{section}] {key}"
+    example = (docs / "config.example.toml").read_text()
+    table = example.split(f"[{section}]\n", 1)[1].split("\n[", 1)[0]
+    # A key may be shown commented out (one whose default is computed, such as reserved_cpus).
+    assert re.search(rf"^#? ?{key} =", table, re.MULTILINE), f"config.example.toml lacks [{section}] {key}"
