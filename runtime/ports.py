@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.errors import ConfigError, InvalidRequest
-from nodeagent.schema.worker import HttpCheck, PortProtocol, Probe, TcpCheck, WorkerSpec
+from nodeagent.schema.worker import PortProtocol, Probe, WorkerSpec
 
 #: ``{port:http}`` in a command argument or an env value: replaced by the port's number.
 PLACEHOLDER = re.compile(r"\{port:([^{}]*)\}")
@@ -124,9 +124,11 @@ def _probe_port(probe: Probe | None, ports: Mapping[str, int], where: str) -> Pr
             f"worker spec: {where} names port {name!r}, which the worker does not have; declare it in "
             f"ports or use one of: {', '.join(sorted(ports)) or 'none declared'}"
         )
-    if probe.http is not None:
-        return probe.model_copy(update={"http": HttpCheck(port=ports[name], path=probe.http.path)})
-    return probe.model_copy(update={"tcp": TcpCheck(port=ports[name])})
+    for kind in (probe.http, probe.tcp, probe.grpc):
+        if kind is not None:
+            check = kind.model_copy(update={"port": ports[name]})
+            return probe.model_copy(update={probe.kind.value: check})
+    return probe
 
 
 def bind(spec: WorkerSpec, ports: Mapping[str, int]) -> WorkerSpec:

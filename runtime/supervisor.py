@@ -19,20 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import http.client
 import itertools
+import logging
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
+from nodeagent.runtime.probes import check_probe
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.schema.worker import Probe, ProbeKind, RestartPolicy, WorkerSpec
+
+log = logging.getLogger("nodeagent.supervisor")
 
 #: How long kill_all may take after the grace period (or after an exit, for leftovers).
 KILL_TIMEOUT_SECONDS = 5.0
@@ -142,13 +144,9 @@ class WorkerStatus:
         )
 
 
-#: Until a probe has passed once, it is retried at least this often, so a worker that is ready in
-#: 2 s is `running` in about 2 s rather than at the next full period (10 s by default).
-STARTUP_PROBE_PERIOD = 1.0
-
-
 class ProbeTracker:
-    """Consecutive successes and failures of one probe, and when it is next due."""
+    """Consecutive successes and failures of one probe, when it is next due, and the check under way
+    when probes run off the supervision thread."""
 
     def __init__(self, probe: Probe, now: float, *, passing: bool, delay: bool = True) -> None:
         """``delay``: wait the probe's initial delay first (not for a worker found running after a
@@ -159,14 +157,18 @@ class ProbeTracker:
         self.ever_passed = passing
         self._successes = 0
         self._failures = 0
+        #: The check running in the probe pool, when there is one.
+        self.pending: Future[bool] | None = None
 
     def due(self, now: float) -> bool:
-        return now >= self.next_due
+        return self.pending is None and now >= self.next_due
 
     def record(self, ok: bool, now: float) -> None:
         period = self.probe.period_seconds
         if not self.ever_passed and not ok:
-            period = min(period, STARTUP_PROBE_PERIOD)
+            # Until it first passes, a probe runs often: the worker is running within about
+            # startup_period_seconds of being ready rather than a full period later.
+            period = min(period, self.probe.startup_period_seconds)
         self.next_due = now + period
         if ok:
             self._successes += 1
@@ -178,35 +180,6 @@ class ProbeTracker:
             self._successes = 0
             if self._failures >= self.probe.failure_threshold:
                 self.passing = False
-
-
-def check_probe(probe: Probe, host: str) -> bool:
-    """Run one probe for real: HTTP 2xx/3xx, a TCP connect, or an exec that exits 0."""
-    if isinstance(probe.port, str):
-        # Port names are bound to numbers before a supervisor exists (runtime.ports.bind).
-        raise WorkerError(f"probe port {probe.port!r} was never bound to a host port")
-    try:
-        if probe.kind is ProbeKind.HTTP:
-            conn = http.client.HTTPConnection(host, probe.port, timeout=probe.timeout_seconds)
-            try:
-                conn.request("GET", probe.path)
-                return 200 <= conn.getresponse().status < 400
-            finally:
-                conn.close()
-        if probe.kind is ProbeKind.TCP:
-            with socket.create_connection((host, probe.port or 0), timeout=probe.timeout_seconds):
-                return True
-        completed = subprocess.run(
-            list(probe.argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=probe.timeout_seconds,
-            check=False,
-        )
-    except (OSError, http.client.HTTPException, subprocess.TimeoutExpired):
-        return False
-    return completed.returncode == 0
 
 
 class Supervisor:
@@ -236,6 +209,8 @@ class Supervisor:
         self._probe_host = probe_host
         self._backoff = backoff or Backoff()
         self._exec_probe = exec_probe
+        self._executor: Executor | None = None
+        self._wake: Callable[[], None] | None = None
         self._launch_numbers = itertools.count(1)
         self.phase = Phase.STOPPED
         self._handle: WorkerHandle | None = None
@@ -317,7 +292,8 @@ class Supervisor:
             return None
         if self.phase is Phase.STOPPING:
             return None if self._stop_deadline is None else max(0.0, self._stop_deadline - now)
-        dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None]
+        # A check under way is not timed work: its result wakes the loop (attach()).
+        dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None and t.pending is None]
         return max(0.0, min(dues) - now) if dues else None
 
     def exit_fd(self) -> int | None:
@@ -390,6 +366,39 @@ class Supervisor:
             ProbeTracker(spec.liveness, now, passing=True, delay=delay) if spec.liveness else None
         )
 
+    def attach(self, executor: Executor, wake: Callable[[], None]) -> None:
+        """Run probes in ``executor`` from now on, off the thread that ticks (and off the agent's lock
+        it holds): a due probe is submitted, and ``wake`` (thread-safe) asks for a tick once its
+        result is in. Without it probes run inside ``tick()``."""
+        self._executor = executor
+        self._wake = wake
+
+    def _checked(self, tracker: ProbeTracker | None, now: float) -> bool:
+        """Advance one probe: True when a result was recorded at this tick."""
+        if tracker is None:
+            return False
+        if tracker.pending is not None:
+            if not tracker.pending.done():
+                return False
+            future, tracker.pending = tracker.pending, None
+            try:
+                ok = future.result()
+            except Exception:  # a probe's own bug counts as a failure, not as the loop's
+                log.exception("probe raised", extra={"probe": tracker.probe.kind.value})
+                ok = False
+            tracker.record(ok, now)
+            return True
+        if not tracker.due(now):
+            return False
+        if self._executor is None:
+            tracker.record(self._probe(tracker.probe), now)
+            return True
+        tracker.pending = self._executor.submit(self._probe, tracker.probe)
+        wake = self._wake
+        if wake is not None:
+            tracker.pending.add_done_callback(lambda _: wake())
+        return False
+
     def _run_probes(self, now: float) -> None:
         readiness = self._readiness
         timeout = self.spec.startup_timeout_seconds
@@ -397,14 +406,12 @@ class Supervisor:
             self._killed_for = f"not ready within its startup timeout of {timeout:g}s"
             self._begin_stop(now, self._killed_for)
             return
-        if self._liveness is not None and self._liveness.due(now):
-            self._liveness.record(self._probe(self._liveness.probe), now)
-            if not self._liveness.passing:
-                self._killed_for = "liveness probe failed"
-                self._begin_stop(now, f"liveness probe failed {self._liveness.probe.failure_threshold} times")
-                return
-        if self._readiness is not None and self._readiness.due(now):
-            self._readiness.record(self._probe(self._readiness.probe), now)
+        liveness = self._liveness
+        if self._checked(liveness, now) and liveness is not None and not liveness.passing:
+            self._killed_for = "liveness probe failed"
+            self._begin_stop(now, f"liveness probe failed {liveness.probe.failure_threshold} times")
+            return
+        if self._checked(self._readiness, now) and self._readiness is not None:
             pid = self._handle.pid if self._handle else None
             if self._readiness.passing and self.phase is not Phase.RUNNING:
                 self._set(Phase.RUNNING, f"pid {pid} ready")
