@@ -502,9 +502,12 @@ class SlotManager:
             self._host.slot_released(slot.id)
 
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
-        """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
+        """Graceful stop: drain and pre_stop, the stop signal, the spec's grace period, then the
+        cgroup is killed."""
         supervisor.stop()
-        deadline = time.monotonic() + supervisor.spec.stop_grace_seconds + 10
+        spec = supervisor.spec
+        hook = spec.pre_stop.timeout_seconds if spec.pre_stop is not None else 0.0
+        deadline = time.monotonic() + max(spec.drain_seconds, hook) + spec.stop_grace_seconds + 10
         while supervisor.tick().phase in ALIVE_PHASES and time.monotonic() < deadline:
             time.sleep(0.01)
 

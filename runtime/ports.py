@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.errors import ConfigError, InvalidRequest
-from nodeagent.schema.worker import PortProtocol, Probe, WorkerSpec
+from nodeagent.schema.worker import PortProtocol, PreStop, Probe, WorkerSpec
 
 #: ``{port:http}`` in a command argument or an env value: replaced by the port's number.
 PLACEHOLDER = re.compile(r"\{port:([^{}]*)\}")
@@ -131,6 +131,19 @@ def _probe_port(probe: Probe | None, ports: Mapping[str, int], where: str) -> Pr
     return probe
 
 
+def _pre_stop_port(spec: WorkerSpec, ports: Mapping[str, int]) -> PreStop | None:
+    hook = spec.pre_stop
+    if hook is None or hook.http is None or not isinstance(hook.http.port, str):
+        return hook
+    name = hook.http.port
+    if name not in ports:
+        raise InvalidRequest(
+            f"worker spec: pre_stop names port {name!r}, which the worker does not have; declare it in "
+            f"ports or use one of: {', '.join(sorted(ports)) or 'none declared'}"
+        )
+    return hook.model_copy(update={"http": hook.http.model_copy(update={"port": ports[name]})})
+
+
 def bind(spec: WorkerSpec, ports: Mapping[str, int]) -> WorkerSpec:
     """The spec with its ports filled in: ``{port:NAME}`` in command and env, probes' port names,
     and ``NODEAGENT_PORT_<NAME>`` for each (the spec's own env wins). InvalidRequest naming what
@@ -146,6 +159,7 @@ def bind(spec: WorkerSpec, ports: Mapping[str, int]) -> WorkerSpec:
             "env": env,
             "readiness": _probe_port(spec.readiness, ports, "readiness"),
             "liveness": _probe_port(spec.liveness, ports, "liveness"),
+            "pre_stop": _pre_stop_port(spec, ports),
         }
     )
 

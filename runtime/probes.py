@@ -17,7 +17,15 @@ import socket
 import subprocess
 from typing import Any
 
-from nodeagent.schema.worker import MAX_PROBE_BODY, BodyMatch, GrpcCheck, HttpCheck, Probe, ProbeKind
+from nodeagent.schema.worker import (
+    MAX_PROBE_BODY,
+    BodyMatch,
+    GrpcCheck,
+    HttpCall,
+    HttpCheck,
+    Probe,
+    ProbeKind,
+)
 
 #: grpc.health.v1.HealthCheckResponse.ServingStatus.SERVING
 GRPC_SERVING = 1
@@ -61,6 +69,19 @@ def check_http(check: HttpCheck, host: str, timeout: float) -> bool:
         if not check.status_passes(answer.status):
             return False
         return check.body is None or body_matches(check.body, answer.read(MAX_PROBE_BODY))
+    finally:
+        conn.close()
+
+
+def call_http(call: HttpCall, host: str, timeout: float) -> bool:
+    """A pre_stop request: True on a 2xx or 3xx answer."""
+    assert isinstance(call.port, int)
+    conn = http.client.HTTPConnection(host, call.port, timeout=timeout)
+    try:
+        conn.request(call.method, call.path, headers={"User-Agent": "nodeagent-pre-stop"})
+        return 200 <= conn.getresponse().status < 400
+    except (OSError, http.client.HTTPException):
+        return False
     finally:
         conn.close()
 
@@ -168,6 +189,7 @@ def _read_varint(data: bytes, at: int) -> tuple[int, int]:
 
 __all__ = [
     "body_matches",
+    "call_http",
     "check_grpc",
     "check_http",
     "check_probe",

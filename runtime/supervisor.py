@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
-from nodeagent.runtime.probes import check_probe
+from nodeagent.runtime.probes import call_http, check_probe
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.schema.worker import Probe, ProbeKind, RestartPolicy, WorkerSpec
+from nodeagent.schema.worker import PreStop, Probe, ProbeKind, RestartPolicy, WorkerSpec
 
 log = logging.getLogger("nodeagent.supervisor")
 
@@ -44,6 +44,10 @@ class SlotCgroup(Protocol):
     """What supervision needs from the slot's cgroup (the cgroups package provides the real one)."""
 
     def kill_all(self, timeout: float) -> None: ...
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        """Send ``sig`` to every process in the slot except ``but``."""
+        ...
 
     def oom_kill_count(self) -> int: ...
 
@@ -219,6 +223,12 @@ class Supervisor:
         self._launched_at = 0.0
         self._oom_at_launch = 0
         self._stop_deadline: float | None = None
+        #: A stop under way: when the stop signal is due (after draining), whether it went out, and
+        #: the pre_stop hook's run and deadline.
+        self._signal_at = 0.0
+        self._signaled = False
+        self._pre_stop: Future[bool] | None = None
+        self._pre_stop_until = 0.0
         self._stop_requested = False
         self._killed_for = ""
         self._next_restart_at: float | None = None
@@ -291,6 +301,12 @@ class Supervisor:
         if self.phase not in ALIVE_PHASES or self._handle is None:
             return None
         if self.phase is Phase.STOPPING:
+            if not self._signaled:
+                # The hook's end wakes the loop (attach()); its timeout is timed work.
+                when = self._signal_at
+                if self._pre_stop_busy(now):
+                    when = max(when, self._pre_stop_until)
+                return max(0.0, when - now)
             return None if self._stop_deadline is None else max(0.0, self._stop_deadline - now)
         # A check under way is not timed work: its result wakes the loop (attach()).
         dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None and t.pending is None]
@@ -424,12 +440,66 @@ class Supervisor:
         return self._check(probe, self._probe_host)
 
     def _begin_stop(self, now: float, why: str) -> None:
+        """A stop in up to three steps: drain (the worker is shown not ready at once; requests under
+        way finish) and the pre_stop hook, side by side; then the stop signal; then, after the grace
+        period, SIGKILL to everything in the slot."""
+        served = self.phase in (Phase.RUNNING, Phase.UNREADY)  # a worker never ready has no requests
         self._set(Phase.STOPPING, why)
-        self._stop_deadline = now + self.spec.stop_grace_seconds
-        if self._handle is not None:
-            self._handle.send_signal(signal.SIGTERM)
+        spec = self.spec
+        self._signal_at = now + (spec.drain_seconds if served else 0.0)
+        self._stop_deadline = None
+        self._signaled = False
+        self._pre_stop = None
+        if spec.pre_stop is not None and self._handle is not None:
+            self._pre_stop_until = now + spec.pre_stop.timeout_seconds
+            if self._executor is None:
+                self._pre_stop = Future()
+                self._pre_stop.set_result(self._run_pre_stop(spec.pre_stop, self._handle))
+            else:
+                self._pre_stop = self._executor.submit(self._run_pre_stop, spec.pre_stop, self._handle)
+                wake = self._wake
+                if wake is not None:
+                    self._pre_stop.add_done_callback(lambda _: wake())
+        if spec.drain_seconds and served:
+            self.message = f"{why}; draining for {spec.drain_seconds:g}s before {spec.stop_signal}"
+        self._escalate_stop(now)
+
+    def _run_pre_stop(self, hook: PreStop, handle: WorkerHandle) -> bool:
+        """The pre_stop hook, in a probe thread: True when it succeeded (the stop goes on either way)."""
+        if hook.exec is not None:
+            probe = Probe(exec=hook.exec, timeout_seconds=hook.timeout_seconds)
+            if self._exec_probe is not None:
+                return self._exec_probe(probe, handle)
+            return self._check(probe, self._probe_host)
+        assert hook.http is not None
+        return call_http(hook.http, self._probe_host, hook.timeout_seconds)
+
+    def _pre_stop_busy(self, now: float) -> bool:
+        return self._pre_stop is not None and not self._pre_stop.done() and now < self._pre_stop_until
+
+    def _send_stop_signal(self) -> None:
+        sig = signal.Signals[self.spec.stop_signal]
+        if self._handle is None:
+            return
+        self._handle.send_signal(sig)
+        if self.spec.stop_scope == "slot":
+            # Every process in the slot, each once: helpers a server forked (and orphaned) stop too.
+            self._cgroup.signal_all(sig, but=self._handle.pid)
 
     def _escalate_stop(self, now: float) -> None:
+        if not self._signaled:
+            if now < self._signal_at or self._pre_stop_busy(now):
+                return
+            self._signaled = True
+            self._stop_deadline = now + self.spec.stop_grace_seconds
+            hook = ""
+            if self._pre_stop is not None:
+                ok = self._pre_stop.done() and not self._pre_stop.exception() and self._pre_stop.result()
+                hook = "pre_stop done; " if ok else "pre_stop failed or timed out; "
+            self._send_stop_signal()
+            grace = self.spec.stop_grace_seconds
+            self.message = f"{self.message}; {hook}{self.spec.stop_signal} sent, waiting up to {grace:g}s"
+            return
         if self._stop_deadline is not None and now >= self._stop_deadline:
             self._stop_deadline = None
             self.message = (

@@ -20,9 +20,11 @@ its cgroup.procs files, network namespace and OOM counter; None means the slot i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import itertools
+import os
 import select
 import shutil
 import signal
@@ -105,6 +107,12 @@ class ManagedCgroup:
         if self._manager.exists():
             self._manager.kill(timeout)
 
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        for pid in self.pids():
+            if pid != but:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
     def oom_kill_count(self) -> int:
         if not self._manager.exists():
             return 0
@@ -119,6 +127,9 @@ class NoCgroup:
 
     def kill_all(self, timeout: float) -> None:
         return None
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        return None  # no cgroup to find them by: the main process alone gets the stop signal
 
     def oom_kill_count(self) -> int:
         return 0

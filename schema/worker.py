@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import resource
+import signal
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, WithJsonSchema, model_validator
@@ -307,6 +308,56 @@ class Probe(StrictModel):
         return self.exec.argv if self.exec is not None else ()
 
 
+# --------------------------------------------------------------------------- stopping
+
+
+def _signal_name(value: Any) -> Any:
+    """"TERM", "SIGTERM" or 15 -> "SIGTERM"; a signal that cannot stop a process is refused."""
+    if isinstance(value, bool):
+        return value
+    try:
+        if isinstance(value, int):
+            sig = signal.Signals(value)
+        elif isinstance(value, str):
+            name = value.upper()
+            sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        else:
+            return value
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"unknown signal {shown(value)}; use a name such as SIGTERM, SIGINT or SIGQUIT"
+        ) from None
+    if sig in (signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        raise ValueError(f"{sig.name} does not stop a process; use SIGTERM, SIGINT or SIGQUIT")
+    return sig.name
+
+
+class HttpCall(StrictModel):
+    port: ProbePort
+    path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")]
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "GET"
+
+
+class PreStop(StrictModel):
+    """What runs before the worker is signalled to stop: one of http (a request to the worker) or
+    exec (a command in the worker's slot and sandbox, as exec probes run)."""
+
+    http: HttpCall | None = None
+    exec: ExecCheck | None = None
+    timeout_seconds: Annotated[float, Field(gt=0, le=MAX_PERIOD_SECONDS)] = Field(
+        default=10.0, description="How long the hook may take; the stop goes on after it either way."
+    )
+
+    @model_validator(mode="after")
+    def _one_action(self) -> PreStop:
+        if (self.http is None) == (self.exec is None):
+            raise ValueError(
+                "give exactly one of 'http' or 'exec', such as "
+                "{'http': {'port': 'http', 'path': '/drain', 'method': 'POST'}}"
+            )
+        return self
+
+
 # --------------------------------------------------------------------------- the sandbox
 
 
@@ -402,7 +453,24 @@ class WorkerSpec(StrictModel):
     readiness: Probe | None = None
     liveness: Probe | None = None
     stop_grace_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
-        default=30.0, description="After SIGTERM, how long before the slot's processes are killed."
+        default=30.0, description="After the stop signal, how long before the slot's processes are killed."
+    )
+    stop_signal: Annotated[str, BeforeValidator(_signal_name)] = Field(
+        default="SIGTERM",
+        description='The signal that asks the worker to stop ("SIGTERM", "SIGINT", "SIGQUIT", ...).',
+    )
+    stop_scope: Literal["slot", "main"] = Field(
+        default="slot",
+        description='Who gets the stop signal: "slot", every process in the slot, each once; "main", the '
+        "main process only (a server that stops its own helpers). SIGKILL after the grace reaches all.",
+    )
+    pre_stop: PreStop | None = Field(
+        default=None, description="A request or command run before the stop signal (within drain and grace)."
+    )
+    drain_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
+        default=0.0,
+        description="On a stop, the worker is shown not ready at once and signalled only this long after "
+        "(requests under way finish, balancers move away); skipped for a worker that was never ready.",
     )
     startup_timeout_seconds: Annotated[float, Field(gt=0, le=MAX_DELAY_SECONDS)] = Field(
         default=300.0,
@@ -495,8 +563,10 @@ __all__ = [
     "BodyMatch",
     "ExecCheck",
     "GrpcCheck",
+    "HttpCall",
     "HttpCheck",
     "PortProtocol",
+    "PreStop",
     "Probe",
     "ProbeKind",
     "RestartPolicy",

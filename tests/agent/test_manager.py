@@ -203,6 +203,11 @@ class FakeCgroup:
         if process is not None and process.exit is None:
             process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
 
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        process = self.world.processes.get(self.slot_id)
+        if process is not None and process.pid != but:
+            process.send_signal(sig)
+
     def oom_kill_count(self) -> int:
         return 0
 

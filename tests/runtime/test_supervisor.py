@@ -63,10 +63,14 @@ class FakeCgroup:
         self.oom_kills = 0
         self.kills = 0
         self.tasks: list[int] = []
+        self.signals: list[tuple[int, int]] = []
 
     def kill_all(self, timeout: float) -> None:
         self.kills += 1
         self.tasks = []
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        self.signals.extend((pid, sig) for pid in self.tasks if pid != but)
 
     def oom_kill_count(self) -> int:
         return self.oom_kills
