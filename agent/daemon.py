@@ -47,6 +47,7 @@ from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolationConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.presets import find_program
 from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
@@ -279,6 +280,7 @@ def build_manager(
         allow_unisolated=config.isolation.allow_unisolated,
         tick_seconds=config.workers.tick_seconds,
         port_range=config.workers.port_bounds,
+        find_program=find_program,
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),

@@ -84,7 +84,7 @@ from nodeagent.placement import (
     plan,
 )
 from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
-from nodeagent.runtime.presets import resolve, wanted_ports
+from nodeagent.runtime.presets import FindProgram, resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import Readoption, WorkerRuntime
@@ -160,9 +160,12 @@ class SlotManager:
         sandbox: SandboxPolicy | None = None,
         port_range: tuple[int, int] = (20000, 29999),
         port_in_use: Callable[[int], bool] = in_use_on_host,
+        find_program: FindProgram | None = None,
     ) -> None:
         """``port_range``: where workers' ports are assigned from; ``port_in_use``: whether a host
-        port has a listener outside the slots (runtime.ports).
+        port has a listener outside the slots (runtime.ports). ``find_program``: look a worker's program
+        up when it is submitted (refused at once when missing) and run it by its absolute path; None:
+        the launch finds it.
         ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
@@ -178,6 +181,7 @@ class SlotManager:
         self._sandbox = sandbox
         self._port_range = port_range
         self._port_in_use = port_in_use
+        self._find_program = find_program
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -306,7 +310,9 @@ class SlotManager:
 
     def allocate(self, req: SlotRequest) -> AllocateResult:
         if req.worker is not None:
-            resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
+            # A preset that lacks a field, or a program that is not there, refuses before anything
+            # is placed.
+            resolve(req.worker, find=self._find_program)
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
         self._check_isolation()
@@ -519,7 +525,7 @@ class SlotManager:
             body = spec if spec is not None else slot.request.worker
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
-            resolve(body)
+            resolve(body, find=self._find_program)
             if self._sandbox is not None:
                 self._sandbox.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
@@ -570,7 +576,7 @@ class SlotManager:
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
         ports = self._assign_ports(slot.id, spec)
-        resolved = resolve(spec, {p.name: p.port for p in ports})
+        resolved = resolve(spec, {p.name: p.port for p in ports}, find=self._find_program)
         sandbox = None
         if self._sandbox is not None and self._sandbox.active:
             # The slot's own uid, kept in the database while the slot exists (freed with its row).

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.errors import ConfigError, InvalidRequest
+from nodeagent.runtime.env import DEFAULT_PATH
 from nodeagent.schema.worker import PortProtocol, PreStop, Probe, WorkerSpec
 
 #: ``{port:http}`` in a command argument or an env value: replaced by the port's number.
@@ -96,8 +97,8 @@ def in_use_on_host(port: int) -> bool:
 
 
 def placeholders(spec: WorkerSpec) -> set[str]:
-    """The port names ``{port:NAME}`` refers to in the spec's command and env."""
-    texts = [*(spec.command or ()), *spec.env.values()]
+    """The port names ``{port:NAME}`` refers to in the spec's command, args, env and files."""
+    texts = [*(spec.command or ()), *spec.args, *spec.env.values(), *spec.files.values()]
     return {name for text in texts for name in PLACEHOLDER.findall(text)}
 
 
@@ -145,18 +146,23 @@ def _pre_stop_port(spec: WorkerSpec, ports: Mapping[str, int]) -> PreStop | None
 
 
 def bind(spec: WorkerSpec, ports: Mapping[str, int]) -> WorkerSpec:
-    """The spec with its ports filled in: ``{port:NAME}`` in command and env, probes' port names,
-    and ``NODEAGENT_PORT_<NAME>`` for each (the spec's own env wins). InvalidRequest naming what
-    refers to a port the worker does not have."""
+    """The spec with its ports filled in: ``{port:NAME}`` in command, env and files, probes' and
+    pre_stop's port names, and ``NODEAGENT_PORT_<NAME>`` for each; ``path`` put before the worker's
+    PATH (the spec's own env wins over both). InvalidRequest naming what refers to a port the
+    worker does not have."""
     command = None
     if spec.command is not None:
         command = tuple(substitute(arg, ports, f"command[{i}]") for i, arg in enumerate(spec.command))
     env = {env_name(name): str(number) for name, number in sorted(ports.items())}
+    if spec.path:
+        env["PATH"] = ":".join((*spec.path, DEFAULT_PATH))
     env.update({key: substitute(value, ports, f"env[{key!r}]") for key, value in spec.env.items()})
+    files = {name: substitute(text, ports, f"files[{name!r}]") for name, text in spec.files.items()}
     return spec.model_copy(
         update={
             "command": command,
             "env": env,
+            "files": files,
             "readiness": _probe_port(spec.readiness, ports, "readiness"),
             "liveness": _probe_port(spec.liveness, ports, "liveness"),
             "pre_stop": _pre_stop_port(spec, ports),

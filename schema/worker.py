@@ -23,7 +23,13 @@ OIP_READY_PATH = "/v2/health/ready"
 OIP_LIVE_PATH = "/v2/health/live"
 
 #: The servers the runtime knows how to run (``nodeagent.runtime.presets`` defines each).
-PRESET_NAMES = ("triton", "torchserve", "tfserving", "generic")
+PRESET_NAMES = ("triton", "torchserve", "tfserving", "mlserver", "kserve", "sagemaker", "generic")
+PresetName = Literal["triton", "torchserve", "tfserving", "mlserver", "kserve", "sagemaker", "generic"]
+#: A file the agent writes for the worker (``files``): a plain name in the worker's files directory.
+FILE_NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
+MAX_FILE_BYTES = 64 * 1024
+FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]
+FileText = Annotated[str, Field(max_length=MAX_FILE_BYTES, pattern="^[^\\u0000]*$")]
 
 #: uid_t and gid_t are 32 bits, and (uid_t)-1 means "no change" to setuid: never an identity.
 MAX_ID = 2**32 - 2
@@ -503,8 +509,27 @@ class WorkerSpec(StrictModel):
         "-1 is unlimited.",
     )
     umask: Annotated[int, Field(ge=0, le=0o777)] = 0o022
-    preset: Literal["triton", "torchserve", "tfserving", "generic"] | None = Field(
+    preset: PresetName | None = Field(
         default=None, description="A known server whose command and probes fill what the spec leaves out."
+    )
+    args: Annotated[tuple[Annotated[str, Field(pattern=_NO_NUL)], ...], AsTuple] = Field(
+        default=(),
+        max_length=256,
+        description="Arguments added after the command (the preset's or the spec's own).",
+    )
+    path: Annotated[
+        tuple[Annotated[str, AfterValidator(_absolute), Field(pattern="^/[^:\\u0000]*$")], ...], AsTuple
+    ] = Field(
+        default=(),
+        max_length=32,
+        description="Directories put before the worker's PATH, where its program (and the ones it runs) "
+        "are looked up; an `env` PATH replaces it instead.",
+    )
+    files: Annotated[dict[FileName, FileText], Field(max_length=16)] = Field(
+        default_factory=dict,
+        description="Files written for the worker before each start (name -> text) in its files "
+        'directory ("{files}" in command, args, env and files; NODEAGENT_FILES_DIR), with "{port:NAME}" '
+        'and "{threads}" filled in: configuration a server only reads from a file.',
     )
     port: Port | None = Field(
         default=None,
@@ -554,6 +579,8 @@ def parse_worker_spec(obj: Any) -> WorkerSpec:
 
 
 __all__ = [
+    "FILE_NAME_PATTERN",
+    "MAX_FILE_BYTES",
     "MAX_PROBE_BODY",
     "OIP_LIVE_PATH",
     "OIP_READY_PATH",
@@ -567,6 +594,7 @@ __all__ = [
     "HttpCheck",
     "PortProtocol",
     "PreStop",
+    "PresetName",
     "Probe",
     "ProbeKind",
     "RestartPolicy",

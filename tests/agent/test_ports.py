@@ -14,7 +14,7 @@ from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import SlotState
 from nodeagent.agent.state import StateStore
-from nodeagent.errors import Conflict
+from nodeagent.errors import Conflict, InvalidRequest
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.ports import PortWant, SlotPort
@@ -126,12 +126,20 @@ def make(tmp_path: Path) -> Iterator[Callable[..., tuple[SlotManager, RecordingR
     world = World()
     managers: list[SlotManager] = []
 
-    def build(in_use: Callable[[int], bool] = nothing_in_use) -> tuple[SlotManager, RecordingRuntime]:
+    def build(
+        in_use: Callable[[int], bool] = nothing_in_use, find: Any = None
+    ) -> tuple[SlotManager, RecordingRuntime]:
         store = StateStore(tmp_path / "state.db", manifests=Manifests(tmp_path / "slots"))
         runtime = RecordingRuntime(world)
         isolation = FakeIsolation(world, names=lambda slot_id: store_name(store, slot_id))
         manager = SlotManager(
-            store, TOPOLOGY, isolation, runtime, port_range=(FIRST, LAST), port_in_use=in_use
+            store,
+            TOPOLOGY,
+            isolation,
+            runtime,
+            port_range=(FIRST, LAST),
+            port_in_use=in_use,
+            find_program=find,
         )
         managers.append(manager)
         manager.start(supervise=False)
@@ -254,3 +262,18 @@ def test_endpoints_name_the_slots_own_address_when_it_has_a_network(make: Any) -
     slot = manager.allocate(request).slot
     assert slot.network is not None
     assert {e.address for e in manager.get_slot("n").endpoints} == {str(slot.network.slot_address)}
+
+
+def test_a_missing_program_refuses_the_allocate_before_anything_is_placed(make: Any) -> None:
+    manager, _ = make(find=lambda name, path: None)
+    with pytest.raises(InvalidRequest, match="program '/srv/serve' not found"):
+        manager.allocate(server("a"))
+    assert manager.list_slots() == []
+
+
+def test_a_found_program_runs_by_the_path_it_was_found_at(make: Any) -> None:
+    manager, runtime = make(find=lambda name, path: f"/found/{name.rsplit('/', 1)[-1]}")
+    slot = manager.allocate(server("a")).slot
+    command = runtime.specs[slot.id].command
+    assert command is not None
+    assert command[0] == "/found/serve"

@@ -63,11 +63,6 @@ def test_a_preset_runs_on_the_ports_the_slot_holds() -> None:
     assert bound.port == 21000
 
 
-def test_torchserve_asks_for_its_own_numbers() -> None:
-    spec = parse_worker_spec({"preset": "torchserve", "model_repository": "/m", "model_name": "b"})
-    assert {w.port for w in wanted_ports(spec).values()} == {8080, 8081, 8082}
-
-
 def test_the_default_protocol_follows_the_name() -> None:
     spec = parse_worker_spec({"command": ["x"], "ports": {"grpc": {}, "metrics": {}}})
     assert {n: w.protocol for n, w in wanted_ports(spec).items()} == {"grpc": "grpc", "metrics": "http"}
