@@ -184,9 +184,18 @@ class SlotListModel(BaseModel):
     slots: list[SlotModel]
 
 
+class LogEntryModel(BaseModel):
+    time: str = Field(description='When the keeper read it (RFC 3339, UTC, ns); "" for the agent\'s word.')
+    stream: Literal["stdout", "stderr", "agent"]
+    text: str
+
+
 class LogsModel(BaseModel):
     id: str
     lines: list[str]
+    entries: list[LogEntryModel] = Field(
+        default_factory=list, description="The same lines with their stream and time, for programs."
+    )
 
 
 class NodeModel(BaseModel):
@@ -419,15 +428,27 @@ def _add_worker_routes(app: FastAPI, service: SlotService) -> None:
     @app.get(
         "/v1/slots/{slot_id}/logs",
         tags=["workers"],
-        summary="The last lines of the worker's output (stdout and stderr interleaved)",
+        summary="The last lines of the worker's output (stdout and stderr interleaved); also of a "
+        "released slot while [workers] log_retention_seconds keeps them",
         response_model=LogsModel,
         responses=_READ_ERRORS,
     )
     def logs(
-        slot_id: SlotId, lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = DEFAULT_LOG_LINES
+        slot_id: SlotId,
+        lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = DEFAULT_LOG_LINES,
+        since: Annotated[
+            str | None,
+            Query(
+                pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$",
+                description="Only complete lines after this time (an entry's `time`): how "
+                "`nodeagent slots logs --follow` asks for what is new.",
+            ),
+        ] = None,
     ) -> JSONResponse:
-        slot = service.get_slot(slot_id)
-        return JSONResponse({"id": slot.id, "lines": service.logs(slot.id, lines)})
+        found, entries = service.log_entries(slot_id, lines, since)
+        return JSONResponse(
+            {"id": found, "lines": [e.render() for e in entries], "entries": [e.to_json() for e in entries]}
+        )
 
 
 # --------------------------------------------------------------------------- errors

@@ -128,6 +128,8 @@ class WorkersConfig:
     tick_seconds: float = 0.5
     #: host ports workers' named ports are assigned from ("FIRST-LAST"; runtime/ports.py)
     port_range: str = DEFAULT_PORT_RANGE
+    #: how long a released slot's worker logs stay readable (seconds; 0: removed with the slot)
+    log_retention_seconds: float = 3600.0
 
     @property
     def port_bounds(self) -> tuple[int, int]:
@@ -274,6 +276,11 @@ def _validate(config: AgentConfig) -> None:
         ("controller.timeout_seconds", config.controller.timeout_seconds > 0, "a number above 0"),
         ("workers.tick_seconds", 0 < config.workers.tick_seconds <= 60, "a number of seconds in (0, 60]"),
         ("workers.port_range", _port_range_ok(config.workers.port_range), 'FIRST-LAST such as "20000-29999"'),
+        (
+            "workers.log_retention_seconds",
+            0 <= config.workers.log_retention_seconds <= 365 * 86400,
+            "a number of seconds from 0 to 31536000",
+        ),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
         (
             "isolation.host_partitioning",

@@ -281,6 +281,7 @@ def build_manager(
         tick_seconds=config.workers.tick_seconds,
         port_range=config.workers.port_bounds,
         find_program=find_program,
+        log_retention_seconds=config.workers.log_retention_seconds,
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),

@@ -83,6 +83,7 @@ from nodeagent.placement import (
     placement_index,
     plan,
 )
+from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
 from nodeagent.runtime.presets import FindProgram, resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
@@ -161,11 +162,13 @@ class SlotManager:
         port_range: tuple[int, int] = (20000, 29999),
         port_in_use: Callable[[int], bool] = in_use_on_host,
         find_program: FindProgram | None = None,
+        log_retention_seconds: float = 0.0,
     ) -> None:
         """``port_range``: where workers' ports are assigned from; ``port_in_use``: whether a host
         port has a listener outside the slots (runtime.ports). ``find_program``: look a worker's program
         up when it is submitted (refused at once when missing) and run it by its absolute path; None:
-        the launch finds it.
+        the launch finds it. ``log_retention_seconds``: how long a released slot's worker logs are
+        kept (0: removed with the slot).
         ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none."""
@@ -182,6 +185,7 @@ class SlotManager:
         self._port_range = port_range
         self._port_in_use = port_in_use
         self._find_program = find_program
+        self._log_retention = log_retention_seconds
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -278,22 +282,51 @@ class SlotManager:
         return self._view(self._slot(slot_id))
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
+        return [line.render() for line in self.log_entries(slot_id, lines)[1]]
+
+    def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
+        """The slot's id and the last ``lines`` lines of its worker's output with their stream and
+        time; ``since`` (a time as the lines carry it): only complete lines after it, as a follower
+        asks. A released slot's logs while [workers] log_retention_seconds keeps them."""
         if lines < 0:
             raise InvalidRequest(f"logs: lines is {lines}; ask for 0 or more")
-        slot = self._view(self._slot(slot_id))
+        try:
+            slot = self._view(self._slot(slot_id))
+        except NotFound as err:
+            self._prune_logs()
+            kept = self._runtime.released_logs(slot_id)
+            if kept is None:
+                raise NotFound(
+                    f"{err}; a released slot's logs are kept for [workers] log_retention_seconds "
+                    f"({self._log_retention:g}s here)"
+                ) from None
+            output = self._runtime.log_lines(kept, lines, complete_only=since is not None)
+            return kept, self._since(output, since)
         worker = slot.worker
         said = lines and worker is not None and worker.phase not in ALIVE_PHASES and worker.message
         try:
-            output = self._runtime.logs(slot.id, lines)
+            output = self._runtime.log_lines(slot.id, lines, complete_only=since is not None)
         except NotFound:
             if not said:
                 raise
             output = []  # it never wrote anything (a launch that failed): the agent's word is all
+        if since is not None:
+            return slot.id, self._since(output, since)
         if said and worker is not None:
             # Why the worker is not running (a launch that failed writes nothing of its own): the
             # agent's word last, marked as such.
-            output = [*output, f"[agent] worker {worker.phase}: {worker.message}"][-lines:]
-        return output
+            word = LogLine("agent", f"worker {worker.phase}: {worker.message}")
+            output = [*output, word][-lines:]
+        return slot.id, output
+
+    @staticmethod
+    def _since(lines: list[LogLine], since: str | None) -> list[LogLine]:
+        # RFC 3339 in UTC with nanoseconds: the text orders as the time does.
+        return lines if since is None else [line for line in lines if line.time > since]
+
+    def _prune_logs(self) -> None:
+        with contextlib.suppress(OSError):
+            self._runtime.prune_released(self._clock() - self._log_retention)
 
     def ready(self) -> bool:
         return self._ready
@@ -503,7 +536,8 @@ class SlotManager:
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
         self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
-        self._runtime.discard(slot.id)
+        self._runtime.discard(slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None)
+        self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)
 
@@ -651,6 +685,7 @@ class SlotManager:
                 self._reconcile_slot(slot, report)
             for slot in self._store.list_slots():
                 self._reconcile_worker(slot, report)
+            self._prune_logs()
             report.seconds = time.monotonic() - began
             self.report = report
             self._store.add_event("reconcile", report.summary())

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import Topology
+from nodeagent.runtime.logs import LogLine
 from nodeagent.schema.request import ResourceChanges, SlotRequest
 from nodeagent.schema.worker import WorkerSpec
 
@@ -90,6 +91,11 @@ class SlotService(Protocol):
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
         """The last ``lines`` lines of the worker's output (stdout and stderr interleaved)."""
+        ...
+
+    def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
+        """The slot's id and the same lines with stream and time; ``since``: only complete lines
+        after that time. Also a released slot's kept logs."""
         ...
 
     def ready(self) -> bool:
