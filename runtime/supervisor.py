@@ -161,19 +161,22 @@ class ProbeTracker:
         self.ever_passed = passing
         self._successes = 0
         self._failures = 0
-        #: The check running in the probe pool, when there is one.
+        #: The check running in the probe pool, when there is one, and when it was submitted.
         self.pending: Future[bool] | None = None
+        self.submitted = 0.0
 
     def due(self, now: float) -> bool:
         return self.pending is None and now >= self.next_due
 
-    def record(self, ok: bool, now: float) -> None:
+    def record(self, ok: bool, now: float, started: float | None = None) -> None:
+        """Count one result; the next check is due a period after this one ``started`` (when it ran
+        in the pool: the time it waited for a thread and for the loop does not stretch the period)."""
         period = self.probe.period_seconds
         if not self.ever_passed and not ok:
             # Until it first passes, a probe runs often: the worker is running within about
             # startup_period_seconds of being ready rather than a full period later.
             period = min(period, self.probe.startup_period_seconds)
-        self.next_due = now + period
+        self.next_due = max(now, (now if started is None else started) + period)
         if ok:
             self._successes += 1
             self._failures = 0
@@ -402,13 +405,14 @@ class Supervisor:
             except Exception:  # a probe's own bug counts as a failure, not as the loop's
                 log.exception("probe raised", extra={"probe": tracker.probe.kind.value})
                 ok = False
-            tracker.record(ok, now)
+            tracker.record(ok, now, started=tracker.submitted)
             return True
         if not tracker.due(now):
             return False
         if self._executor is None:
             tracker.record(self._probe(tracker.probe), now)
             return True
+        tracker.submitted = now
         tracker.pending = self._executor.submit(self._probe, tracker.probe)
         wake = self._wake
         if wake is not None:

@@ -258,3 +258,25 @@ def test_probe_specs_round_trip_through_json() -> None:
         {"grpc": {"port": "grpc", "service": "s"}, "period_seconds": 0.5, "startup_period_seconds": 0.1}
     )
     assert Probe.model_validate(json.loads(probe.model_dump_json())) == probe
+
+
+def test_the_wait_for_a_pool_thread_and_the_loop_does_not_stretch_the_period() -> None:
+    now = [1000.0]
+    release = threading.Event()
+
+    def check(probe: Probe, host: str) -> bool:
+        release.wait()
+        return False
+
+    spec = WorkerSpec(command=("w",), readiness=Probe.model_validate({"http": {"port": 1}}))
+    sup = Supervisor(spec, TEMPLATE, FakeLauncher(), FakeCgroup(), check=check, clock=lambda: now[0])
+    woken = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        sup.attach(pool, woken.set)
+        sup.start()
+        sup.tick()  # submitted at 1000.00
+        now[0] += 0.03  # the check and the wake-up took 30 ms
+        release.set()
+        assert woken.wait(30)
+        sup.tick()  # recorded at 1000.03
+        assert sup.due_in() == pytest.approx(0.02)  # due at 1000.05: a period after it was submitted

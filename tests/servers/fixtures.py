@@ -20,7 +20,8 @@ KSERVE = "kserve==0.21.0"
 HERE = Path(__file__).resolve().parent
 
 
-def _base(kind: str) -> Path:
+def new_base(kind: str) -> Path:
+    """A world-readable directory in /var/tmp (which a slot's sandbox leaves in place)."""
     base = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-{kind}-", dir="/var/tmp"))
     base.chmod(0o755)
     return base
@@ -31,32 +32,40 @@ def _readable(*paths: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
+def build_mlserver(base: Path) -> Path:
+    """``base`` with ``venv/`` (MLServer) and ``models/doubler/`` (the test model)."""
+    make_venv(base / "venv", [MLSERVER])
+    model = base / "models" / "doubler"
+    model.mkdir(parents=True)
+    shutil.copy(HERE / "mlserver_model.py", model / "mlserver_model.py")
+    (model / "model-settings.json").write_text(
+        json.dumps({"name": "doubler", "implementation": "mlserver_model.Doubler"})
+    )
+    _readable(base / "models", model, *model.iterdir())
+    return base
+
+
+def build_kserve(base: Path) -> Path:
+    """``base`` with ``venv/`` (KServe) and ``model.py`` (the test model server)."""
+    make_venv(base / "venv", [KSERVE])
+    shutil.copy(HERE / "kserve_model.py", base / "model.py")
+    _readable(base / "model.py")
+    return base
+
+
 @pytest.fixture(scope="session")
 def mlserver_install() -> Iterator[Path]:
-    """A directory with ``venv/`` (MLServer) and ``models/doubler/`` (the test model)."""
-    base = _base("mlserver")
+    base = new_base("mlserver")
     try:
-        make_venv(base / "venv", [MLSERVER])
-        model = base / "models" / "doubler"
-        model.mkdir(parents=True)
-        shutil.copy(HERE / "mlserver_model.py", model / "mlserver_model.py")
-        (model / "model-settings.json").write_text(
-            json.dumps({"name": "doubler", "implementation": "mlserver_model.Doubler"})
-        )
-        _readable(base / "models", model, *model.iterdir())
-        yield base
+        yield build_mlserver(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def kserve_install() -> Iterator[Path]:
-    """A directory with ``venv/`` (KServe) and ``model.py`` (the test model server)."""
-    base = _base("kserve")
+    base = new_base("kserve")
     try:
-        make_venv(base / "venv", [KSERVE])
-        shutil.copy(HERE / "kserve_model.py", base / "model.py")
-        _readable(base / "model.py")
-        yield base
+        yield build_kserve(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
