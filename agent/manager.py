@@ -60,7 +60,7 @@ from nodeagent.agent.recovery import Evidence, RecoveryMode, decide
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo
 from nodeagent.agent.slot import Slot, SlotState, Worker
-from nodeagent.agent.state import StateStore, slot_from_record, worker_from_record
+from nodeagent.agent.state import StateStore, ports_from_record, slot_from_record, worker_from_record
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description, slot_from_kernel
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
@@ -725,6 +725,12 @@ class SlotManager:
             self._store.insert_slot(slot)
             if worker is not None:
                 self._store.put_worker(worker)
+            if manifest is not None:
+                try:
+                    self._store.restore_ports(slot.id, ports_from_record(manifest))
+                except (Conflict, KeyError, TypeError, ValueError) as err:
+                    # Its worker gets new ports at its next start; said, not fatal.
+                    how += f"; its ports could not be restored ({err})"
             self._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
         report.recovered.append(slot.name)
         log.warning("slot recovered", extra={"slot": slot.id, "how": how})

@@ -29,7 +29,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -370,6 +370,8 @@ class StateStore:
         record = slot_record(slot)
         worker = worker or self.get_worker(slot.id)
         record["worker"] = None if worker is None else worker_record(worker)
+        # A worker re-adopted after the database was lost still listens where it was told.
+        record["ports"] = [dataclasses.asdict(p) for p in self.slot_ports(slot.id)]
         self.manifests.write(record)
 
     def delete_slot(self, slot_id: str) -> None:
@@ -520,13 +522,31 @@ class StateStore:
                 result[name] = SlotPort(name, want.protocol, number)
                 taken.add(number)
             if result != held:
-                self._write("DELETE FROM slot_ports WHERE slot_id = ?", (slot_id,))
-                for p in result.values():
-                    self._write(
-                        "INSERT INTO slot_ports (slot_id, name, protocol, port) VALUES (?, ?, ?, ?)",
-                        (slot_id, p.name, p.protocol, p.port),
-                    )
+                self._put_ports(slot_id, result.values())
             return sorted(result.values(), key=lambda p: p.name)
+
+    def restore_ports(self, slot_id: str, ports: Iterable[SlotPort]) -> None:
+        """Record ports a slot held before the database was lost (from its manifest), unchecked: its
+        worker listens on them. Conflict when another slot holds one."""
+        with self.transaction():
+            try:
+                self._put_ports(slot_id, ports)
+            except StateError as err:
+                raise Conflict(
+                    f"slot {slot_id}: its recorded ports are held by another slot ({err})"
+                ) from err
+
+    def _put_ports(self, slot_id: str, ports: Iterable[SlotPort]) -> None:
+        with self.transaction():
+            self._write("DELETE FROM slot_ports WHERE slot_id = ?", (slot_id,))
+            for p in ports:
+                self._write(
+                    "INSERT INTO slot_ports (slot_id, name, protocol, port) VALUES (?, ?, ?, ?)",
+                    (slot_id, p.name, p.protocol, p.port),
+                )
+            slot = self.get_slot(slot_id)
+            if slot is not None:
+                self._keep_manifest(slot)
 
     def slot_ports(self, slot_id: str) -> list[SlotPort]:
         """The slot's named ports, by name."""
@@ -589,6 +609,12 @@ def slot_record(slot: Slot) -> dict[str, Any]:
         "created_at": slot.created_at,
         "updated_at": slot.updated_at,
     }
+
+
+def ports_from_record(values: Mapping[str, Any]) -> list[SlotPort]:
+    """The ports a slot's manifest recorded (none in manifests older than ports)."""
+    recorded = values.get("ports") or []
+    return [SlotPort(str(p["name"]), _protocol(p.get("protocol")), int(p["port"])) for p in recorded]
 
 
 def slot_from_record(values: Mapping[str, Any]) -> Slot:

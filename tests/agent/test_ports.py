@@ -127,7 +127,7 @@ def make(tmp_path: Path) -> Iterator[Callable[..., tuple[SlotManager, RecordingR
     managers: list[SlotManager] = []
 
     def build(
-        in_use: Callable[[int], bool] = nothing_in_use, find: Any = None
+        in_use: Callable[[int], bool] = nothing_in_use, find: Any = None, recovery: Any = None
     ) -> tuple[SlotManager, RecordingRuntime]:
         store = StateStore(tmp_path / "state.db", manifests=Manifests(tmp_path / "slots"))
         runtime = RecordingRuntime(world)
@@ -140,6 +140,7 @@ def make(tmp_path: Path) -> Iterator[Callable[..., tuple[SlotManager, RecordingR
             port_range=(FIRST, LAST),
             port_in_use=in_use,
             find_program=find,
+            **({} if recovery is None else {"recovery": recovery}),
         )
         managers.append(manager)
         manager.start(supervise=False)
@@ -277,3 +278,20 @@ def test_a_found_program_runs_by_the_path_it_was_found_at(make: Any) -> None:
     command = runtime.specs[slot.id].command
     assert command is not None
     assert command[0] == "/found/serve"
+
+
+def test_ports_come_back_from_the_manifest_when_the_database_is_lost(tmp_path: Path, make: Any) -> None:
+    from nodeagent.agent.recovery import RecoveryMode
+    from tests.agent.test_manager import lose_the_database
+
+    first, _ = make()
+    first.allocate(server("a", ports={"http": {}, "grpc": {"port": 9001}}))
+    before = endpoints(first, "a")
+    first.close()
+    lose_the_database(tmp_path)
+    second, runtime = make(recovery=RecoveryMode.RECOVER)
+    assert second.report is not None
+    assert second.report.workers_adopted == ["a"]
+    assert endpoints(second, "a") == before
+    slot = second.get_slot("a")
+    assert runtime.specs[slot.id].command == ("/srv/serve", f"--http={FIRST}", "--grpc=9001")
