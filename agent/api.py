@@ -52,17 +52,25 @@ import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, cast
 
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nodeagent import __version__
+from nodeagent.agent.api_models import (
+    CdiSpecModel,
+    LogsModel,
+    NodeModel,
+    SlotListModel,
+    SlotModel,
+    error_responses,
+)
 from nodeagent.agent.metrics import Metrics
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
@@ -133,114 +141,10 @@ def error_response(
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-# --------------------------------------------------------------------------- request/response models
+# --------------------------------------------------------------------------- the app
 
-
-class SlotModel(BaseModel):
-    id: str
-    name: str
-    qos: str
-    state: Literal["pending", "ready", "running", "releasing", "failed"]
-    request: dict[str, Any]
-    assignment: dict[str, Any] | None = Field(
-        description="Which CPUs, NUMA nodes, memory and devices it got."
-    )
-    cgroup: str | None
-    network: dict[str, Any] | None
-    worker: dict[str, Any] | None = Field(description="phase, pid, restarts, last exit, message")
-    sandbox: dict[str, Any] | None = Field(
-        default=None,
-        description="The uid and gid the slot's sandboxed workers run as (its own, from [sandbox] "
-        "uid_range); null before its first worker, or without a sandbox.",
-    )
-    reason: str | None = Field(description="Why it failed, when state is failed.")
-    created_at: float
-    updated_at: float
-    foreign_cpu: dict[str, Any] | None = Field(
-        default=None,
-        description=(
-            "Guaranteed slots: CPU time spent on the slot's CPUs by anything that is not the slot "
-            "(other tasks, kernel threads, interrupts), since `since` (Unix time): `seconds`, "
-            "`fraction` of the slot's CPU capacity over that time, `irq_seconds` of it handling "
-            "interrupts. Null where it cannot be measured."
-        ),
-    )
-    qos_actions: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Recent actions of the QoS loop on this slot, newest last (at most 20): action "
-        "(cpu_suppress, cpu_release, slot_cpu_quota, memory_throttle, memory_unthrottle, evict, restore), "
-        "reason, at (unix time), seq, and the values written (cpus, quota_cpus, memory_high, memory_bytes).",
-    )
-    qos_evicted: bool = Field(
-        default=False,
-        description="Its worker is stopped by the QoS loop (memory pressure) and starts again once memory "
-        "is calm.",
-    )
-
-
-class SlotListModel(BaseModel):
-    slots: list[SlotModel]
-
-
-class LogsModel(BaseModel):
-    id: str
-    lines: list[str]
-
-
-class CdiDeviceModel(BaseModel):
-    name: str = Field(description="The slot's name or id: --device nodeagent.io/slot=<name>.")
-    containerEdits: dict[str, Any] = Field(
-        description="Device nodes, environment and mounts a runtime adds to the container."
-    )
-
-
-class CdiSpecModel(BaseModel):
-    """A Container Device Interface spec, as the CDI specification defines it (docs/containers.md)."""
-
-    cdiVersion: str = Field(description="The oldest CDI version the spec is valid against.")
-    kind: str = Field(description='Always "nodeagent.io/slot".')
-    devices: list[CdiDeviceModel]
-
-
-class NodeModel(BaseModel):
-    node_id: str
-    hostname: str
-    agent_version: str
-    started_at: float
-    cgroup_mode: str
-    degraded: list[str] = Field(description="What this agent cannot isolate on this host, and why.")
-    host_partitioning: dict[str, Any] | None = Field(
-        default=None,
-        description=(
-            "Whether the rest of the host is kept off exclusive CPUs (`mode`: auto or off), which "
-            "`parts` (processes, kernel-threads, workqueue, irqs), whether it is `active`, and the "
-            "`last` pass: exclusive and host CPUs, items `moved` and `confined` by kind, what is "
-            "`immovable` and why, `problems`, `warnings`; `error` if the last pass failed."
-        ),
-    )
-    sandbox: dict[str, Any] | None = Field(
-        default=None,
-        description="The workers' sandbox: enabled (configuration), active (in force here), support (what "
-        "this kernel offers: namespaces, seccomp filter, hidepid, mount_setattr), uid_range, allow_root, "
-        "cgroup_view.",
-    )
-
-
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-
-
-class ErrorModel(BaseModel):
-    error: ErrorDetail
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {status: {"model": ErrorModel} for status in statuses}
-
-
-_READ_ERRORS = _errors(401, 404, 422)
-_WRITE_ERRORS = _errors(400, 401, 404, 409, 413, 415, 422, 500, 503, 507)
+_READ_ERRORS = error_responses(401, 404, 422)
+_WRITE_ERRORS = error_responses(400, 401, 404, 409, 413, 415, 422, 500, 503, 507)
 
 SlotId = Annotated[
     str,
@@ -252,7 +156,7 @@ SlotId = Annotated[
     ),
 ]
 
-# --------------------------------------------------------------------------- the app
+
 
 
 def create_app(
@@ -307,7 +211,7 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Ready to accept work", responses=_errors(503))
+    @app.get("/readyz", tags=["health"], summary="Ready to accept work", responses=error_responses(503))
     def readyz() -> JSONResponse:
         if not service.ready():
             return error_response(503, "not_ready", "start-up reconciliation is still running")
@@ -318,13 +222,13 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
         tags=["health"],
         summary="Prometheus metrics",
         response_class=Response,
-        responses={200: {"content": {"text/plain": {}}}, **_errors(401)},
+        responses={200: {"content": {"text/plain": {}}}, **error_responses(401)},
     )
     def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/node", tags=["node"], response_model=NodeModel, responses=_errors(401))
+    @app.get("/v1/node", tags=["node"], response_model=NodeModel, responses=error_responses(401))
     def node() -> JSONResponse:
         return JSONResponse(service.node().to_dict())
 
@@ -333,7 +237,7 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
         tags=["node"],
         summary="Hardware topology (nodeagent.topology/v1)",
         response_model=dict[str, Any],
-        responses=_errors(401),
+        responses=error_responses(401),
     )
     def topology() -> JSONResponse:
         return JSONResponse(topology_to_dict(service.topology()))
@@ -343,14 +247,14 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
         tags=["node"],
         summary="Total, reserved, allocatable, allocated and free per resource and NUMA node",
         response_model=dict[str, Any],
-        responses=_errors(401),
+        responses=error_responses(401),
     )
     def capacity() -> JSONResponse:
         return JSONResponse(service.capacity())
 
 
 def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
-    @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=_errors(401))
+    @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=error_responses(401))
     def list_slots() -> JSONResponse:
         return JSONResponse({"slots": [s.to_json() for s in service.list_slots()]})
 
@@ -432,15 +336,27 @@ def _add_worker_routes(app: FastAPI, service: SlotService) -> None:
     @app.get(
         "/v1/slots/{slot_id}/logs",
         tags=["workers"],
-        summary="The last lines of the worker's output (stdout and stderr interleaved)",
+        summary="The last lines of the worker's output (stdout and stderr interleaved); also of a "
+        "released slot while [workers] log_retention_seconds keeps them",
         response_model=LogsModel,
         responses=_READ_ERRORS,
     )
     def logs(
-        slot_id: SlotId, lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = DEFAULT_LOG_LINES
+        slot_id: SlotId,
+        lines: Annotated[int, Query(ge=1, le=MAX_LOG_LINES)] = DEFAULT_LOG_LINES,
+        since: Annotated[
+            str | None,
+            Query(
+                pattern=r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$",
+                description="Only complete lines after this time (an entry's `time`): how "
+                "`nodeagent slots logs --follow` asks for what is new.",
+            ),
+        ] = None,
     ) -> JSONResponse:
-        slot = service.get_slot(slot_id)
-        return JSONResponse({"id": slot.id, "lines": service.logs(slot.id, lines)})
+        found, entries = service.log_entries(slot_id, lines, since)
+        return JSONResponse(
+            {"id": found, "lines": [e.render() for e in entries], "entries": [e.to_json() for e in entries]}
+        )
 
     @app.get(
         "/v1/slots/{slot_id}/cdi",

@@ -28,7 +28,7 @@ from nodeagent.agent.sandbox import slot_device_paths
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.translate import isolation_spec, slot_description
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import KernelError
+from nodeagent.errors import KernelError, NotFound, Unsupported
 from nodeagent.isolation.cdi import (
     CONTAINER_SLOT_FILE,
     FPGA_KIND,
@@ -40,6 +40,7 @@ from nodeagent.isolation.cdi import (
 )
 from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.env import slot_environment, write_slot_file
+from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.cdi")
 
@@ -90,6 +91,16 @@ class SlotCdiSpecs:
     def read(self, slot_id: str) -> dict[str, Any] | None:
         return self.specs.read(slot_id)
 
+    def written(self, slot: Slot) -> dict[str, Any]:
+        """The slot's spec as written; NotFound when it has none."""
+        spec = self.read(slot.id)
+        if spec is None:
+            raise NotFound(
+                f"slot {slot.name!r} has no CDI spec in {self.specs.directory} (it is {slot.state}; "
+                "specs exist for ready and running slots)"
+            )
+        return spec
+
     def remove_stale(self, held: Iterable[str]) -> list[str]:
         """Remove the specs and slot files of slots not in ``held``; the slot ids removed."""
         held = set(held)
@@ -137,6 +148,15 @@ class SlotCdiSpecs:
             else:
                 self.specs.remove(key)
         return written
+
+
+def check_container(cdi: SlotCdiSpecs | None, spec: WorkerSpec | None) -> None:
+    """A container worker gets its slot through the slot's CDI spec: without specs it cannot start."""
+    if spec is not None and spec.container is not None and cdi is None:
+        raise Unsupported(
+            "container workers need the slot's CDI spec, and this agent writes none ([cdi] enabled = "
+            "false, or slots are not isolated here); enable [cdi] or give a command"
+        )
 
 
 def try_cdi(action: str, slot_id: str, step: Any, *args: Any) -> bool:

@@ -33,6 +33,7 @@ from nodeagent.isolation.colocation import ColocationConfig
 from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
+from nodeagent.runtime.ports import DEFAULT_PORT_RANGE, parse_port_range
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -134,6 +135,14 @@ class WorkersConfig:
     #: "keep" leaves them running and the next agent re-adopts them; "stop" stops each one gracefully
     #: before the agent exits (slots and their cgroups stay) and the next agent starts them again
     on_agent_stop: str = "keep"
+    #: host ports workers' named ports are assigned from ("FIRST-LAST"; runtime/ports.py)
+    port_range: str = DEFAULT_PORT_RANGE
+    #: how long a released slot's worker logs stay readable (seconds; 0: removed with the slot)
+    log_retention_seconds: float = 3600.0
+
+    @property
+    def port_bounds(self) -> tuple[int, int]:
+        return parse_port_range(self.port_range)
 
 
 @dataclass(frozen=True)
@@ -341,6 +350,14 @@ def _convert(value: Any, annotation: str, key: str, source: str | None) -> Any:
     raise AssertionError(f"no converter for {annotation}")  # pragma: no cover - a new field type
 
 
+def _port_range_ok(text: str) -> bool:
+    try:
+        parse_port_range(text)
+    except ConfigError:
+        return False
+    return True
+
+
 def _validate(config: AgentConfig) -> None:
     """Cross-field and range checks, with the key named."""
     src = config.source
@@ -348,6 +365,12 @@ def _validate(config: AgentConfig) -> None:
         ("controller.interval_seconds", config.controller.interval_seconds > 0, "a number above 0"),
         ("controller.timeout_seconds", config.controller.timeout_seconds > 0, "a number above 0"),
         ("workers.tick_seconds", 0 < config.workers.tick_seconds <= 60, "a number of seconds in (0, 60]"),
+        ("workers.port_range", _port_range_ok(config.workers.port_range), 'FIRST-LAST such as "20000-29999"'),
+        (
+            "workers.log_retention_seconds",
+            0 <= config.workers.log_retention_seconds <= 365 * 86400,
+            "a number of seconds from 0 to 31536000",
+        ),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
         (
             "isolation.host_partitioning",

@@ -61,6 +61,7 @@ from nodeagent.isolation.spec import IsolatorConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient
+from nodeagent.runtime.presets import find_program
 from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
@@ -322,6 +323,9 @@ def build_manager(
         node_id=config.controller.resolved_node_id,
         allow_unisolated=config.isolation.allow_unisolated,
         tick_seconds=config.workers.tick_seconds,
+        port_range=config.workers.port_bounds,
+        find_program=find_program,
+        log_retention_seconds=config.workers.log_retention_seconds,
         recovery=recovery,
         host=build_host(config, host, isolation),  # host partitioning (docs/host-partitioning.md)
         sandbox=build_sandbox(config, can_isolate=isolation.isolates),

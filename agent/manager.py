@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.cdi import SlotCdiSpecs, try_cdi
+from nodeagent.agent.cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
@@ -63,6 +63,7 @@ from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import assignment_of, isolation_spec, runs_containers, slot_description
+from nodeagent.agent.worker_logs import worker_log_entries
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -83,7 +84,9 @@ from nodeagent.placement import (
     placement_index,
     plan,
 )
-from nodeagent.runtime.presets import resolve
+from nodeagent.runtime.logs import LogLine
+from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
+from nodeagent.runtime.presets import FindProgram, resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import WorkerRuntime
@@ -130,8 +133,17 @@ class SlotManager:
         host: HostPartitioning | None = None,
         sandbox: SandboxPolicy | None = None,
         cdi: SlotCdiSpecs | None = None,
+        port_range: tuple[int, int] = (20000, 29999),
+        port_in_use: Callable[[int], bool] = in_use_on_host,
+        find_program: FindProgram | None = None,
+        log_retention_seconds: float = 0.0,
     ) -> None:
-        """``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
+        """``port_range``: where workers' ports are assigned from; ``port_in_use``: whether a host
+        port has a listener outside the slots (runtime.ports). ``find_program``: look a worker's program
+        up when it is submitted (refused at once when missing) and run it by its absolute path; None:
+        the launch finds it. ``log_retention_seconds``: how long a released slot's worker logs are
+        kept (0: removed with the slot).
+        ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
         each slot's CDI spec is kept (agent.cdi), None for no specs."""
@@ -146,6 +158,10 @@ class SlotManager:
         self._clock = clock
         self._sandbox = sandbox
         self._cdi = cdi
+        self._port_range = port_range
+        self._port_in_use = port_in_use
+        self._find_program = find_program
+        self._log_retention = log_retention_seconds
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -261,22 +277,15 @@ class SlotManager:
         return self._view(self._slot(slot_id))
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
-        if lines < 0:
-            raise InvalidRequest(f"logs: lines is {lines}; ask for 0 or more")
-        slot = self._view(self._slot(slot_id))
-        worker = slot.worker
-        said = lines and worker is not None and worker.phase not in ALIVE_PHASES and worker.message
-        try:
-            output = self._runtime.logs(slot.id, lines)
-        except NotFound:
-            if not said:
-                raise
-            output = []  # it never wrote anything (a launch that failed): the agent's word is all
-        if said and worker is not None:
-            # Why the worker is not running (a launch that failed writes nothing of its own): the
-            # agent's word last, marked as such.
-            output = [*output, f"[agent] worker {worker.phase}: {worker.message}"][-lines:]
-        return output
+        return [line.render() for line in self.log_entries(slot_id, lines)[1]]
+
+    def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
+        """The slot's id and its worker's last ``lines`` lines (agent/worker_logs.py)."""
+        return worker_log_entries(self, slot_id, lines, since)
+
+    def _prune_logs(self) -> None:
+        with contextlib.suppress(OSError):
+            self._runtime.prune_released(self._clock() - self._log_retention)
 
     def ready(self) -> bool:
         return self._ready
@@ -293,10 +302,12 @@ class SlotManager:
 
     def allocate(self, req: SlotRequest) -> AllocateResult:
         if req.worker is not None:
-            resolve(req.worker)  # a preset that lacks a field refuses before anything is placed
+            # A preset that lacks a field, or a program that is not there, refuses before anything
+            # is placed.
+            resolve(req.worker, find=self._find_program)
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
-            self._check_container(req.worker)
+            check_container(self._cdi, req.worker)
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -340,6 +351,10 @@ class SlotManager:
                 self._store.add_event(
                     "allocate", f"slot {req.name!r} pending: {_describe(assignment)}", slot.id
                 )
+                if req.worker is not None:
+                    # In the same commit: a port that is taken refuses the allocate before anything
+                    # is placed or built, and the slot never exists without the ports it was told.
+                    self._assign_ports(slot.id, req.worker)
             self._ledger = self._ledger.add(assignment)
             try:
                 return self._finish_allocate(slot, req)
@@ -494,7 +509,8 @@ class SlotManager:
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
         self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
-        self._runtime.discard(slot.id)
+        self._runtime.discard(slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None)
+        self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)
 
@@ -537,9 +553,12 @@ class SlotManager:
         return max(graces, default=0.0)
 
     def _stop_and_wait(self, supervisor: Supervisor) -> None:
-        """Graceful stop: SIGTERM, the spec's grace period, then the cgroup is killed."""
+        """Graceful stop: drain and pre_stop, the stop signal, the spec's grace period, then the
+        cgroup is killed."""
         supervisor.stop()
-        deadline = time.monotonic() + supervisor.spec.stop_grace_seconds + 10
+        spec = supervisor.spec
+        hook = spec.pre_stop.timeout_seconds if spec.pre_stop is not None else 0.0
+        deadline = time.monotonic() + max(spec.drain_seconds, hook) + spec.stop_grace_seconds + 10
         while supervisor.tick().phase in ALIVE_PHASES and time.monotonic() < deadline:
             time.sleep(0.01)
 
@@ -551,10 +570,10 @@ class SlotManager:
             body = spec if spec is not None else slot.request.worker
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
-            resolve(body)
+            resolve(body, find=self._find_program)
             if self._sandbox is not None:
                 self._sandbox.check(body)
-            self._check_container(body)
+            check_container(self._cdi, body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             if body.container is not None and not runs_containers(slot):
@@ -571,7 +590,9 @@ class SlotManager:
                     return self._view(slot)
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
-            self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            with self._store.transaction():
+                self._assign_ports(slot.id, body)
+                self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
             self._write_cdi(slot, body)  # the worker's env may override the slot's wiring
             self._launch_worker(slot, body)
         self._notify()
@@ -645,7 +666,8 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
-        resolved = resolve(spec)
+        ports = self._assign_ports(slot.id, spec)
+        resolved = resolve(spec, {p.name: p.port for p in ports}, find=self._find_program)
         sandbox = None
         if self._sandbox is not None and self._sandbox.active:
             # The slot's own uid, kept in the database while the slot exists (freed with its row).
@@ -654,6 +676,12 @@ class SlotManager:
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
         return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
+
+    def _assign_ports(self, slot_id: str, spec: WorkerSpec) -> list[SlotPort]:
+        """The slot's host ports for ``spec``'s named ports (its preset's and its own), recorded;
+        those it holds already are kept. Conflict when a port asked for is taken."""
+        first, last = self._port_range
+        return self._store.assign_ports(slot_id, wanted_ports(spec), first, last, self._port_in_use)
 
     # ------------------------------------------------------------------ supervision
 
@@ -686,28 +714,6 @@ class SlotManager:
         """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
         return reconcile(self, restart_workers=restart_workers)
 
-    def _reconcile_cdi(self, report: ReconcileReport) -> None:
-        """No spec of a slot the agent does not hold survives a start; every held one is written
-        again (its devices or the agent's rules may have changed while it was down)."""
-        if self._cdi is None:
-            return
-        slots = [s for s in self._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
-        try:
-            report.cdi_removed = self._cdi.remove_stale(s.id for s in slots)
-        except (NodeAgentError, OSError) as err:
-            log.warning("stale CDI specs not removed", extra={"reason": str(err)})
-        for slot in slots:
-            self._write_cdi(slot)
-        try_cdi("written", "-", self._cdi.write_device_specs, self._topology)
-
-    def _check_container(self, spec: WorkerSpec) -> None:
-        """A container worker gets its slot through the slot's CDI spec: without specs it cannot start."""
-        if spec.container is not None and self._cdi is None:
-            raise Unsupported(
-                "container workers need the slot's CDI spec, and this agent writes none ([cdi] enabled = "
-                "false, or slots are not isolated here); enable [cdi] or give a command"
-            )
-
     def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
         if self._cdi is None or slot.assignment is None:
             return
@@ -724,13 +730,7 @@ class SlotManager:
             raise Unsupported(
                 "this agent writes no CDI specs ([cdi] enabled = false, or slots are not isolated here)"
             )
-        spec = self._cdi.read(slot.id)
-        if spec is None:
-            raise NotFound(
-                f"slot {slot.name!r} has no CDI spec in {self._cdi.specs.directory} (it is {slot.state}; "
-                "specs exist for ready and running slots)"
-            )
-        return spec
+        return self._cdi.written(slot)
 
     # ------------------------------------------------------------------ helpers
 
@@ -769,14 +769,18 @@ class SlotManager:
             else None
         )
         foreign = self._foreign_cpu(slot)
-        if self._qos is None:
-            return dataclasses.replace(slot, worker=status, foreign_cpu=foreign, sandbox_uid=uid)
-        actions, evicted = self._qos.slot_view(slot.id)
+        network = slot.network
+        address = str(network.slot_address) if network is not None else "127.0.0.1"
+        endpoints = tuple(
+            Endpoint(p.name, p.protocol, address, p.port) for p in self._store.slot_ports(slot.id)
+        )
+        actions, evicted = self._qos.slot_view(slot.id) if self._qos is not None else ((), False)
         return dataclasses.replace(
             slot,
             worker=status,
             foreign_cpu=foreign,
             sandbox_uid=uid,
+            endpoints=endpoints,
             qos_actions=actions,
             qos_evicted=evicted,
         )

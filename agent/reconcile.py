@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.agent.cdi import try_cdi
 from nodeagent.agent.recovery import Evidence, decide
 from nodeagent.agent.slot import Slot, SlotState
-from nodeagent.agent.state import slot_from_record, worker_from_record
+from nodeagent.agent.state import ports_from_record, slot_from_record, worker_from_record
 from nodeagent.agent.translate import slot_from_kernel
 from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, WorkerError
 from nodeagent.isolation.backend import OwnedSlot
@@ -85,9 +86,10 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             report.orphans_removed += manager._isolation.remove_orphans(keep)
         for slot in manager._store.list_slots():
             _reconcile_slot(manager, slot, report)
-        manager._reconcile_cdi(report)
+        _reconcile_cdi(manager, report)
         for slot in manager._store.list_slots():
             _reconcile_worker(manager, slot, report, restart=slot.id in restart_workers)
+        manager._prune_logs()
         report.seconds = time.monotonic() - began
         manager.report = report
         manager._store.add_event("reconcile", report.summary())
@@ -129,6 +131,12 @@ def _rebuild(manager: SlotManager, owned: OwnedSlot, report: ReconcileReport) ->
         manager._store.insert_slot(slot)
         if worker is not None:
             manager._store.put_worker(worker)
+        if manifest is not None:
+            try:
+                manager._store.restore_ports(slot.id, ports_from_record(manifest))
+            except (Conflict, KeyError, TypeError, ValueError) as err:
+                # Its worker gets new ports at its next start; said, not fatal.
+                how += f"; its ports could not be restored ({err})"
         manager._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
     report.recovered.append(slot.name)
     log.warning("slot recovered", extra={"slot": slot.id, "how": how})
@@ -179,7 +187,7 @@ def _reconcile_worker(
         return
     try:
         supervisor = manager._make_supervisor(slot, worker.spec)
-    except (InvalidRequest, WorkerError) as err:
+    except (InvalidRequest, WorkerError, Conflict) as err:
         manager._store.add_event("worker", f"cannot supervise the stored worker: {err}", slot.id)
         return
     found = manager._runtime.readopt(slot.id, supervisor)
@@ -199,3 +207,18 @@ def _reconcile_worker(
         report.workers_started.append(slot.name)
     manager._loop.add(slot.id, supervisor)
     manager._record_status(slot.id, supervisor.status())
+
+
+def _reconcile_cdi(manager: SlotManager, report: ReconcileReport) -> None:
+    """No spec of a slot the agent does not hold survives a start; every held one is written
+    again (its devices or the agent's rules may have changed while it was down)."""
+    if manager._cdi is None:
+        return
+    slots = [s for s in manager._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
+    try:
+        report.cdi_removed = manager._cdi.remove_stale(s.id for s in slots)
+    except (NodeAgentError, OSError) as err:
+        log.warning("stale CDI specs not removed", extra={"reason": str(err)})
+    for slot in slots:
+        manager._write_cdi(slot)
+    try_cdi("written", "-", manager._cdi.write_device_specs, manager._topology)

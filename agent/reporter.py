@@ -195,6 +195,7 @@ def slot_summary(slot: Slot) -> dict[str, Any]:
         "mig": [] if a is None else [m.uuid or m.profile for m in a.mig],
         "fpgas": [] if a is None else list(a.fpgas),
         "worker_phase": None if slot.worker is None else str(slot.worker.phase),
+        "endpoints": [e.to_json() for e in slot.endpoints],
         "reason": slot.reason,
         # The QoS loop's recent actions (their "seq" grows, so repeats across heartbeats are seen).
         "qos_actions": [dict(action) for action in slot.qos_actions[-SUMMARY_QOS_ACTIONS:]],

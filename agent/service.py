@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import Topology
+from nodeagent.runtime.logs import LogLine
 from nodeagent.schema.request import ResourceChanges, SlotRequest
 from nodeagent.schema.worker import WorkerSpec
 
@@ -112,6 +113,11 @@ class SlotService(Protocol):
     def cdi_spec(self, slot_id: str) -> dict[str, Any]:
         """The slot's CDI spec (kind nodeagent.io/slot) as written for container runtimes;
         NotFound when it has none, Unsupported when the agent writes none."""
+        ...
+
+    def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
+        """The slot's id and the same lines with stream and time; ``since``: only complete lines
+        after that time. Also a released slot's kept logs."""
         ...
 
     def ready(self) -> bool:

@@ -21,6 +21,7 @@ from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.network import SlotNetwork
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
+from nodeagent.runtime.ports import Endpoint
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import QoS, SlotRequest, request_to_dict
 from nodeagent.schema.worker import WorkerSpec
@@ -66,6 +67,9 @@ class Slot:
     qos_actions: tuple[Mapping[str, Any], ...] = ()
     #: Whether the QoS loop has its worker stopped (evicted) until memory is calm again.
     qos_evicted: bool = False
+    #: Where its worker serves: one per named port the slot holds; set on slots read through the
+    #: service (the state store keeps the ports in a table of their own).
+    endpoints: tuple[Endpoint, ...] = ()
 
     @property
     def qos(self) -> QoS:
@@ -105,6 +109,7 @@ class Slot:
             "foreign_cpu": None if self.foreign_cpu is None else self.foreign_cpu.to_json(),
             "qos_actions": [dict(action) for action in self.qos_actions],
             "qos_evicted": self.qos_evicted,
+            "endpoints": [e.to_json() for e in self.endpoints],
         }
 
 

@@ -8,6 +8,7 @@ Tables::
              start_time, status, restarts, last_exit, updated_at
     events   id, time, slot_id (no foreign key: events outlive their slot), kind, message
     sandbox_ids  slot_id -> slots(id) ON DELETE CASCADE, uid UNIQUE  (each slot's own worker uid)
+    slot_ports   slot_id -> slots(id) ON DELETE CASCADE, name, protocol, port UNIQUE  (its named ports)
 
 Durability rule the slot manager builds on: a slot row is committed (``pending``, WITH its
 assignment) before any kernel object exists, so after a crash the database names everything the
@@ -28,19 +29,20 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
-from nodeagent.errors import InsufficientStorage, NodeAgentError
+from nodeagent.errors import Conflict, InsufficientStorage, NodeAgentError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
+from nodeagent.runtime.ports import PortWant, SlotPort
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
-from nodeagent.schema.worker import parse_worker_spec
+from nodeagent.schema.worker import PortProtocol, parse_worker_spec
 
 log = logging.getLogger("nodeagent.state")
 
@@ -95,6 +97,18 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE sandbox_ids (
         slot_id  TEXT PRIMARY KEY REFERENCES slots(id) ON DELETE CASCADE,
         uid      INTEGER NOT NULL UNIQUE
+    );
+    """,
+    # Each slot's named ports (runtime/ports.py): kept while the slot exists, so a restarted or
+    # re-adopted worker serves where its clients were told; freed with the slot's row. A host port
+    # belongs to one slot at a time.
+    """
+    CREATE TABLE slot_ports (
+        slot_id   TEXT NOT NULL REFERENCES slots(id) ON DELETE CASCADE,
+        name      TEXT NOT NULL,
+        protocol  TEXT NOT NULL,
+        port      INTEGER NOT NULL UNIQUE,
+        PRIMARY KEY (slot_id, name)
     );
     """,
 )
@@ -173,6 +187,13 @@ class EventRecord:
     slot_id: str | None
     kind: str
     message: str
+
+
+def _protocol(value: Any) -> PortProtocol:
+    text = str(value)
+    if text == "grpc":
+        return "grpc"
+    return "tcp" if text == "tcp" else "http"
 
 
 def _dump(value: Any) -> str | None:
@@ -349,6 +370,8 @@ class StateStore:
         record = slot_record(slot)
         worker = worker or self.get_worker(slot.id)
         record["worker"] = None if worker is None else worker_record(worker)
+        # A worker re-adopted after the database was lost still listens where it was told.
+        record["ports"] = [dataclasses.asdict(p) for p in self.slot_ports(slot.id)]
         self.manifests.write(record)
 
     def delete_slot(self, slot_id: str) -> None:
@@ -436,6 +459,102 @@ class StateStore:
         """Every slot's uid (slot id -> uid)."""
         return {str(r[0]): int(r[1]) for r in self._read("SELECT slot_id, uid FROM sandbox_ids")}
 
+    # --- ports ----------------------------------------------------------------------------------
+
+    def assign_ports(
+        self,
+        slot_id: str,
+        wanted: Mapping[str, PortWant],
+        first: int,
+        last: int,
+        in_use: Callable[[int], bool],
+    ) -> list[SlotPort]:
+        """The slot's named ports, made to match ``wanted``: a port it holds already stays (unless
+        the worker now asks for another number); one asked for by number is taken when no other slot
+        holds it and ``in_use`` (a listener on the host) does not refuse it; the others get the lowest
+        free port of ``first``..``last``. Names no longer wanted are freed. Conflict, naming the port
+        and its holder, when a port asked for is taken or the range is used up; nothing changes then.
+        """
+        with self.transaction():
+            held = {p.name: p for p in self.slot_ports(slot_id)}
+            others = {
+                int(r[0]): (str(r[1]), str(r[2]))
+                for r in self._read(
+                    "SELECT p.port, s.name, p.name FROM slot_ports p JOIN slots s ON s.id = p.slot_id "
+                    "WHERE p.slot_id != ?",
+                    (slot_id,),
+                )
+            }
+            keep = {
+                name: dataclasses.replace(mine, protocol=wanted[name].protocol)
+                for name, mine in held.items()
+                if name in wanted and wanted[name].port in (None, mine.port)
+            }
+            taken = set(others) | {p.port for p in keep.values()}
+            result = dict(keep)
+            for name, want in sorted(wanted.items()):
+                if name in result or want.port is None:
+                    continue
+                if want.port in others:
+                    slot_name, port_name = others[want.port]
+                    raise Conflict(
+                        f"port {name!r}: host port {want.port} is held by slot {slot_name!r} (its port "
+                        f"{port_name!r}); ask for another, or leave the number out to get a free one"
+                    )
+                if want.port in taken or in_use(want.port):
+                    raise Conflict(
+                        f"port {name!r}: host port {want.port} is in use on this host by a process outside "
+                        "the agent's slots; ask for another, or leave the number out to get a free one"
+                    )
+                result[name] = SlotPort(name, want.protocol, want.port)
+                taken.add(want.port)
+            for name, want in sorted(wanted.items()):
+                if name in result:
+                    continue
+                number = next(
+                    (p for p in range(first, last + 1) if p not in taken and not in_use(p)), None
+                )
+                if number is None:
+                    raise Conflict(
+                        f"port {name!r}: no free port left in [workers] port_range {first}-{last} "
+                        f"({len(taken)} held by slots); widen the range or release a slot"
+                    )
+                result[name] = SlotPort(name, want.protocol, number)
+                taken.add(number)
+            if result != held:
+                self._put_ports(slot_id, result.values())
+            return sorted(result.values(), key=lambda p: p.name)
+
+    def restore_ports(self, slot_id: str, ports: Iterable[SlotPort]) -> None:
+        """Record ports a slot held before the database was lost (from its manifest), unchecked: its
+        worker listens on them. Conflict when another slot holds one."""
+        with self.transaction():
+            try:
+                self._put_ports(slot_id, ports)
+            except StateError as err:
+                raise Conflict(
+                    f"slot {slot_id}: its recorded ports are held by another slot ({err})"
+                ) from err
+
+    def _put_ports(self, slot_id: str, ports: Iterable[SlotPort]) -> None:
+        with self.transaction():
+            self._write("DELETE FROM slot_ports WHERE slot_id = ?", (slot_id,))
+            for p in ports:
+                self._write(
+                    "INSERT INTO slot_ports (slot_id, name, protocol, port) VALUES (?, ?, ?, ?)",
+                    (slot_id, p.name, p.protocol, p.port),
+                )
+            slot = self.get_slot(slot_id)
+            if slot is not None:
+                self._keep_manifest(slot)
+
+    def slot_ports(self, slot_id: str) -> list[SlotPort]:
+        """The slot's named ports, by name."""
+        rows = self._read(
+            "SELECT name, protocol, port FROM slot_ports WHERE slot_id = ? ORDER BY name", (slot_id,)
+        )
+        return [SlotPort(str(r[0]), _protocol(r[1]), int(r[2])) for r in rows]
+
     # --- events -------------------------------------------------------------------------------
 
     def add_event(self, kind: str, message: str, slot_id: str | None = None) -> None:
@@ -490,6 +609,12 @@ def slot_record(slot: Slot) -> dict[str, Any]:
         "created_at": slot.created_at,
         "updated_at": slot.updated_at,
     }
+
+
+def ports_from_record(values: Mapping[str, Any]) -> list[SlotPort]:
+    """The ports a slot's manifest recorded (none in manifests older than ports)."""
+    recorded = values.get("ports") or []
+    return [SlotPort(str(p["name"]), _protocol(p.get("protocol")), int(p["port"])) for p in recorded]
 
 
 def slot_from_record(values: Mapping[str, Any]) -> Slot:

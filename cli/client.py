@@ -203,6 +203,15 @@ class AgentClient:
     def cdi_spec(self, slot_id: str) -> dict[str, Any]:
         return self._json("GET", _slot_path(slot_id, "cdi"))
 
+    def log_entries(self, slot_id: str, lines: int = 100, since: str | None = None) -> list[dict[str, str]]:
+        """The lines with their stream and time (``since``: only complete lines after that time)."""
+        query: dict[str, Any] = {"lines": lines}
+        if since is not None:
+            query["since"] = since
+        body = self._json("GET", _slot_path(slot_id, "logs"), query=query)
+        keys = ("time", "stream", "text")
+        return [{key: str(e.get(key, "")) for key in keys} for e in body.get("entries", [])]
+
     # --- the I/O boundary
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

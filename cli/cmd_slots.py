@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import click
 
 from nodeagent.cli.client import API_ENV, TOKEN_FILE_ENV, AgentClient
-from nodeagent.errors import InvalidRequest, WorkerError
+from nodeagent.errors import InvalidRequest, NotFound, WorkerError
 from nodeagent.quantity import format_quantity
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -293,11 +293,46 @@ def _print_worker_change(slot: Mapping[str, Any], as_json: bool) -> None:
 @subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @click.option("--lines", "-n", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@click.option(
+    "--follow", "-f", is_flag=True, help="Then print new lines as they come, until Ctrl-C or release."
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line: time, stream, text.")
 @click.pass_context
-def logs_command(ctx: click.Context, slot_id: str, lines: int) -> None:
-    """The last lines of the slot's worker output."""
-    for line in client_from(ctx).logs(slot_id, lines):
-        click.echo(line)
+def logs_command(ctx: click.Context, slot_id: str, lines: int, follow: bool, as_json: bool) -> None:
+    """The last lines of the slot's worker output (also of a slot released not long ago)."""
+    client = client_from(ctx)
+    entries = client.log_entries(slot_id, lines)
+    last = _print_entries(entries, as_json, "")
+    if not follow:
+        return
+    try:
+        while True:
+            time.sleep(FOLLOW_POLL_SECONDS)
+            try:
+                entries = client.log_entries(slot_id, MAX_FOLLOW_LINES, since=last or EPOCH)
+            except NotFound:
+                return  # released (and its logs not kept): nothing more will come
+            last = _print_entries(entries, as_json, last)
+    except KeyboardInterrupt:
+        return
+
+
+#: How often --follow asks for new lines: output shows within this long of being written.
+FOLLOW_POLL_SECONDS = 0.5
+MAX_FOLLOW_LINES = 10_000
+EPOCH = "1970-01-01T00:00:00.000000000Z"
+
+
+def _print_entries(entries: Sequence[Mapping[str, str]], as_json: bool, last: str) -> str:
+    """Print the entries; the newest time among them (or ``last``)."""
+    for entry in entries:
+        if as_json:
+            click.echo(json.dumps(dict(entry), ensure_ascii=False))
+        else:
+            stream, text = entry["stream"], entry["text"]
+            click.echo(text if stream == "stdout" else f"[{stream}] {text}")
+        last = max(last, entry.get("time") or "")
+    return last
 
 
 @command.command("cdi")
@@ -460,6 +495,7 @@ def format_slot(slot: Mapping[str, Any], now: float | None = None) -> str:
         f"  cgroup    {slot.get('cgroup') or '-'}",
     ]
     lines += _worker_lines(slot.get("worker"), time.time() if now is None else now)
+    lines.extend(f"  endpoint  {_endpoint(e)}" for e in slot.get("endpoints") or [])
     if slot.get("reason"):
         lines.append(f"  reason    {slot['reason']}")
     foreign = slot.get("foreign_cpu")
@@ -467,6 +503,12 @@ def format_slot(slot: Mapping[str, Any], now: float | None = None) -> str:
         lines.append(f"  foreign   {_foreign(foreign)}")
     lines.extend(f"  why       {r}" for r in assignment.get("reasons", []))
     return "\n".join(lines)
+
+
+def _endpoint(endpoint: Mapping[str, Any]) -> str:
+    """``http  127.0.0.1:20000 (http)``: a named port and where it is reached."""
+    where = f"{endpoint.get('address')}:{endpoint.get('port')}"
+    return f"{endpoint.get('name')}  {where} ({endpoint.get('protocol')})"
 
 
 def _foreign(foreign: Mapping[str, Any]) -> str:

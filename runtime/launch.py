@@ -9,6 +9,7 @@ The agent's side of a launch. Layout of a worker's directory (one per slot)::
     <worker_dir>/view/slot.json   the slot description (NODEAGENT_SLOT_FILE), root's, 0644
     <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700)
     <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700)
+    <worker_dir>/view/files/      the spec's ``files`` (root's, 0644; NODEAGENT_FILES_DIR)
 
 With a sandbox the state directory above all this is hidden from the worker, and ``view/`` alone is
 shown again at the same path (one bind mount: the environment names the same files inside and
@@ -22,11 +23,12 @@ import dataclasses
 import grp
 import os
 import pwd
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
-from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
+from nodeagent.runtime.env import SlotDescription, thread_count, worker_environment, write_slot_file
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import Exposed, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
@@ -110,6 +112,30 @@ def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]
     return dataclasses.replace(sandbox, expose=(*sandbox.expose, Exposed(str(view), writable=True))), identity
 
 
+def _filled(text: str, fill: Mapping[str, str]) -> str:
+    """``{threads}`` and ``{files}``: what only the launch knows (the slot's size, the directory)."""
+    for key, value in fill.items():
+        text = text.replace(key, value)
+    return text
+
+
+def _write_files(directory: Path, files: Mapping[str, str]) -> None:
+    """The spec's files, root's and world-readable (the worker may read, never change them); those
+    of an earlier spec of the slot go."""
+    try:
+        directory.mkdir(mode=0o755, exist_ok=True)
+        for old in directory.iterdir():
+            if old.name not in files:
+                old.unlink()
+        for name, text in files.items():
+            tmp = directory / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.chmod(0o644)
+            os.replace(tmp, directory / name)
+    except OSError as err:
+        raise translate_os_error(f"write worker files in {directory}", err, KernelError) from err
+
+
 def build_launch_request(
     spec: WorkerSpec,
     slot: SlotDescription,
@@ -138,10 +164,16 @@ def build_launch_request(
     slot_file = write_slot_file(slot, view / "slot.json")
     tmpdir = view / "tmp"
     _private_dir(tmpdir, identity)
+    files = view / "files"
+    fill = {"{threads}": str(thread_count(slot)), "{files}": str(files)}
+    _write_files(files, {name: _filled(text, fill) for name, text in spec.files.items()})
     env = worker_environment(slot, slot_file, spec.env, home=identity.home, tmpdir=str(tmpdir))
+    if spec.files:
+        env.setdefault("NODEAGENT_FILES_DIR", str(files))
+    env = {key: _filled(value, fill) for key, value in env.items()}
     return LaunchRequest(
         launch_id=slot.slot_id,
-        argv=spec.command,
+        argv=tuple(_filled(arg, fill) for arg in spec.command),
         env=env,
         run_dir=str(worker_dir / "run"),
         log_dir=str(worker_dir / "logs"),

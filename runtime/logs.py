@@ -152,8 +152,11 @@ class LogLine:
     time: str = ""
 
     def render(self) -> str:
-        """As the API shows it: stdout as is, stderr marked."""
+        """As the API shows it: stdout as is, stderr (and the agent's own word) marked."""
         return self.text if self.stream == "stdout" else f"[{self.stream}] {self.text}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"time": self.time, "stream": self.stream, "text": self.text}
 
 
 def _parse(record: bytes) -> tuple[str, str, bytes, bytes]:
@@ -184,9 +187,12 @@ def _read_tail(path: Path, lines: int, block: int = 64 * 1024) -> list[bytes]:
     return parts[-lines:] if lines else []
 
 
-def read_log(log_dir: Path, lines: int = 100, backups: int = DEFAULT_BACKUPS) -> list[LogLine]:
+def read_log(
+    log_dir: Path, lines: int = 100, backups: int = DEFAULT_BACKUPS, *, complete_only: bool = False
+) -> list[LogLine]:
     """The last ``lines`` lines the worker wrote, both streams in time order, reaching into rotated
-    files if needed; partial records are joined into their line."""
+    files if needed; partial records are joined into their line. ``complete_only``: leave out lines
+    still being written (a follower shows them once they end, stamped with their start)."""
     current = log_path(log_dir)
     if not current.exists():
         raise NotFound(f"no worker log at {current}: the worker has not been started in this slot")
@@ -209,6 +215,7 @@ def read_log(log_dir: Path, lines: int = 100, backups: int = DEFAULT_BACKUPS) ->
             pending[stream] = (started, held + content)
         else:
             out.append(LogLine(stream, (held + content).decode("utf-8", "replace"), started))
-    for stream, (started, held) in pending.items():  # lines still being written
-        out.append(LogLine(stream, held.decode("utf-8", "replace"), started))
+    if not complete_only:
+        for stream, (started, held) in pending.items():  # lines still being written
+            out.append(LogLine(stream, held.decode("utf-8", "replace"), started))
     return out[-lines:]

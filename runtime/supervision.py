@@ -7,6 +7,11 @@ it wakes for an exit, for the earliest timed work (a probe, a stop deadline, a r
 heap; an entry superseded by a later schedule is skipped when it comes up (``_due`` holds the
 current one per slot).
 
+Probes run in a small pool of threads of their own (``probe_threads``), never on this thread
+and never under the lock: a check that waits for its timeout (a server that accepts and does not
+answer) holds up neither the other slots nor the API. A due probe is submitted at a tick; its
+result pokes the loop (:meth:`SupervisionLoop.poke`), which ticks that slot again to record it.
+
 The loop shares a lock with its owner (the agent's slot manager), so a tick never interleaves
 with an allocate, a release or a stop of the same slot. What a tick learns goes to ``on_status``
 (persist it; True when something changed) and, once per wake-up with changes, to ``on_change``.
@@ -23,6 +28,7 @@ import select
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 from nodeagent.errors import NodeAgentError
 from nodeagent.runtime.process import fd_fired
@@ -39,8 +45,14 @@ class SupervisionLoop:
         on_change: Callable[[], None],
         *,
         tick_seconds: float = 0.5,
+        probe_threads: int = 4,
     ) -> None:
         self._lock = lock
+        self._probe_threads = probe_threads
+        self._probes: ThreadPoolExecutor | None = None
+        #: Slots whose probe finished, to tick at the next wake-up (written from probe threads).
+        self._poked: set[str] = set()
+        self._poke_lock = threading.Lock()
         self._on_status = on_status
         self._on_change = on_change
         self._tick_seconds = tick_seconds
@@ -62,6 +74,7 @@ class SupervisionLoop:
             self._watch = select.epoll()
             self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             self._watch.register(self._wake_fd, select.EPOLLIN)
+            self._probes = ThreadPoolExecutor(self._probe_threads, thread_name_prefix="nodeagent-probe")
 
     def start(self) -> None:
         """Run the loop in its own thread."""
@@ -79,17 +92,33 @@ class SupervisionLoop:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self._probes is not None:
+            # Checks under way end by their own timeouts; nothing waits for their results any more.
+            self._probes.shutdown(wait=False, cancel_futures=True)
+            self._probes = None
         if self._watch is not None:
             self._watch.close()
-            os.close(self._wake_fd)
-            self._watch, self._wake_fd = None, -1
+            with self._poke_lock:  # a late probe result must not write to a closed (reused) fd
+                fd, self._wake_fd = self._wake_fd, -1
+            os.close(fd)
+            self._watch = None
 
     # ------------------------------------------------------------------ membership (caller holds the lock)
 
     def add(self, slot_id: str, supervisor: Supervisor) -> None:
         """Supervise ``supervisor`` for ``slot_id`` from now on (replacing any previous one)."""
         self._supervisors[slot_id] = supervisor
+        if self._probes is not None:
+            supervisor.attach(self._probes, lambda: self.poke(slot_id))
         self.schedule(slot_id)
+
+    def poke(self, slot_id: str) -> None:
+        """Tick ``slot_id`` at the next wake-up, and wake the loop now (any thread; takes no lock the
+        ticks hold)."""
+        with self._poke_lock:
+            self._poked.add(slot_id)
+            if self._wake_fd >= 0:
+                os.eventfd_write(self._wake_fd, 1)
 
     def remove(self, slot_id: str) -> Supervisor | None:
         """Stop supervising ``slot_id``; returns the supervisor it had."""
@@ -172,6 +201,9 @@ class SupervisionLoop:
                         os.eventfd_read(fd)
                 elif (slot_id := self._fd_slots.pop(fd, None)) is not None:
                     due.add(slot_id)
+            with self._poke_lock:
+                due |= self._poked
+                self._poked.clear()
             now = time.monotonic()
             while self._agenda and self._agenda[0][0] <= now:
                 when, _, slot_id = heapq.heappop(self._agenda)

@@ -19,20 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import http.client
 import itertools
+import logging
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
+from nodeagent.runtime.probes import call_http, check_probe
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.schema.worker import Probe, ProbeKind, RestartPolicy, WorkerSpec
+from nodeagent.schema.worker import PreStop, Probe, ProbeKind, RestartPolicy, WorkerSpec
+
+log = logging.getLogger("nodeagent.supervisor")
 
 #: How long kill_all may take after the grace period (or after an exit, for leftovers).
 KILL_TIMEOUT_SECONDS = 5.0
@@ -42,6 +44,10 @@ class SlotCgroup(Protocol):
     """What supervision needs from the slot's cgroup (the cgroups package provides the real one)."""
 
     def kill_all(self, timeout: float) -> None: ...
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        """Send ``sig`` to every process in the slot except ``but``."""
+        ...
 
     def oom_kill_count(self) -> int: ...
 
@@ -142,13 +148,9 @@ class WorkerStatus:
         )
 
 
-#: Until a probe has passed once, it is retried at least this often, so a worker that is ready in
-#: 2 s is `running` in about 2 s rather than at the next full period (10 s by default).
-STARTUP_PROBE_PERIOD = 1.0
-
-
 class ProbeTracker:
-    """Consecutive successes and failures of one probe, and when it is next due."""
+    """Consecutive successes and failures of one probe, when it is next due, and the check under way
+    when probes run off the supervision thread."""
 
     def __init__(self, probe: Probe, now: float, *, passing: bool, delay: bool = True) -> None:
         """``delay``: wait the probe's initial delay first (not for a worker found running after a
@@ -159,15 +161,22 @@ class ProbeTracker:
         self.ever_passed = passing
         self._successes = 0
         self._failures = 0
+        #: The check running in the probe pool, when there is one, and when it was submitted.
+        self.pending: Future[bool] | None = None
+        self.submitted = 0.0
 
     def due(self, now: float) -> bool:
-        return now >= self.next_due
+        return self.pending is None and now >= self.next_due
 
-    def record(self, ok: bool, now: float) -> None:
+    def record(self, ok: bool, now: float, started: float | None = None) -> None:
+        """Count one result; the next check is due a period after this one ``started`` (when it ran
+        in the pool: the time it waited for a thread and for the loop does not stretch the period)."""
         period = self.probe.period_seconds
         if not self.ever_passed and not ok:
-            period = min(period, STARTUP_PROBE_PERIOD)
-        self.next_due = now + period
+            # Until it first passes, a probe runs often: the worker is running within about
+            # startup_period_seconds of being ready rather than a full period later.
+            period = min(period, self.probe.startup_period_seconds)
+        self.next_due = max(now, (now if started is None else started) + period)
         if ok:
             self._successes += 1
             self._failures = 0
@@ -178,32 +187,6 @@ class ProbeTracker:
             self._successes = 0
             if self._failures >= self.probe.failure_threshold:
                 self.passing = False
-
-
-def check_probe(probe: Probe, host: str) -> bool:
-    """Run one probe for real: HTTP 2xx/3xx, a TCP connect, or an exec that exits 0."""
-    try:
-        if probe.kind is ProbeKind.HTTP:
-            conn = http.client.HTTPConnection(host, probe.port, timeout=probe.timeout_seconds)
-            try:
-                conn.request("GET", probe.path)
-                return 200 <= conn.getresponse().status < 400
-            finally:
-                conn.close()
-        if probe.kind is ProbeKind.TCP:
-            with socket.create_connection((host, probe.port or 0), timeout=probe.timeout_seconds):
-                return True
-        completed = subprocess.run(
-            list(probe.argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=probe.timeout_seconds,
-            check=False,
-        )
-    except (OSError, http.client.HTTPException, subprocess.TimeoutExpired):
-        return False
-    return completed.returncode == 0
 
 
 class Supervisor:
@@ -233,6 +216,8 @@ class Supervisor:
         self._probe_host = probe_host
         self._backoff = backoff or Backoff()
         self._exec_probe = exec_probe
+        self._executor: Executor | None = None
+        self._wake: Callable[[], None] | None = None
         self._launch_numbers = itertools.count(1)
         self.phase = Phase.STOPPED
         self._handle: WorkerHandle | None = None
@@ -241,6 +226,12 @@ class Supervisor:
         self._launched_at = 0.0
         self._oom_at_launch = 0
         self._stop_deadline: float | None = None
+        #: A stop under way: when the stop signal is due (after draining), whether it went out, and
+        #: the pre_stop hook's run and deadline.
+        self._signal_at = 0.0
+        self._signaled = False
+        self._pre_stop: Future[bool] | None = None
+        self._pre_stop_until = 0.0
         self._stop_requested = False
         self._killed_for = ""
         self._next_restart_at: float | None = None
@@ -313,8 +304,15 @@ class Supervisor:
         if self.phase not in ALIVE_PHASES or self._handle is None:
             return None
         if self.phase is Phase.STOPPING:
+            if not self._signaled:
+                # The hook's end wakes the loop (attach()); its timeout is timed work.
+                when = self._signal_at
+                if self._pre_stop_busy(now):
+                    when = max(when, self._pre_stop_until)
+                return max(0.0, when - now)
             return None if self._stop_deadline is None else max(0.0, self._stop_deadline - now)
-        dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None]
+        # A check under way is not timed work: its result wakes the loop (attach()).
+        dues = [t.next_due for t in (self._liveness, self._readiness) if t is not None and t.pending is None]
         return max(0.0, min(dues) - now) if dues else None
 
     def exit_fd(self) -> int | None:
@@ -387,6 +385,40 @@ class Supervisor:
             ProbeTracker(spec.liveness, now, passing=True, delay=delay) if spec.liveness else None
         )
 
+    def attach(self, executor: Executor, wake: Callable[[], None]) -> None:
+        """Run probes in ``executor`` from now on, off the thread that ticks (and off the agent's lock
+        it holds): a due probe is submitted, and ``wake`` (thread-safe) asks for a tick once its
+        result is in. Without it probes run inside ``tick()``."""
+        self._executor = executor
+        self._wake = wake
+
+    def _checked(self, tracker: ProbeTracker | None, now: float) -> bool:
+        """Advance one probe: True when a result was recorded at this tick."""
+        if tracker is None:
+            return False
+        if tracker.pending is not None:
+            if not tracker.pending.done():
+                return False
+            future, tracker.pending = tracker.pending, None
+            try:
+                ok = future.result()
+            except Exception:  # a probe's own bug counts as a failure, not as the loop's
+                log.exception("probe raised", extra={"probe": tracker.probe.kind.value})
+                ok = False
+            tracker.record(ok, now, started=tracker.submitted)
+            return True
+        if not tracker.due(now):
+            return False
+        if self._executor is None:
+            tracker.record(self._probe(tracker.probe), now)
+            return True
+        tracker.submitted = now
+        tracker.pending = self._executor.submit(self._probe, tracker.probe)
+        wake = self._wake
+        if wake is not None:
+            tracker.pending.add_done_callback(lambda _: wake())
+        return False
+
     def _run_probes(self, now: float) -> None:
         readiness = self._readiness
         timeout = self.spec.startup_timeout_seconds
@@ -394,14 +426,12 @@ class Supervisor:
             self._killed_for = f"not ready within its startup timeout of {timeout:g}s"
             self._begin_stop(now, self._killed_for)
             return
-        if self._liveness is not None and self._liveness.due(now):
-            self._liveness.record(self._probe(self._liveness.probe), now)
-            if not self._liveness.passing:
-                self._killed_for = "liveness probe failed"
-                self._begin_stop(now, f"liveness probe failed {self._liveness.probe.failure_threshold} times")
-                return
-        if self._readiness is not None and self._readiness.due(now):
-            self._readiness.record(self._probe(self._readiness.probe), now)
+        liveness = self._liveness
+        if self._checked(liveness, now) and liveness is not None and not liveness.passing:
+            self._killed_for = "liveness probe failed"
+            self._begin_stop(now, f"liveness probe failed {liveness.probe.failure_threshold} times")
+            return
+        if self._checked(self._readiness, now) and self._readiness is not None:
             pid = self._handle.pid if self._handle else None
             if self._readiness.passing and self.phase is not Phase.RUNNING:
                 self._set(Phase.RUNNING, f"pid {pid} ready")
@@ -414,12 +444,66 @@ class Supervisor:
         return self._check(probe, self._probe_host)
 
     def _begin_stop(self, now: float, why: str) -> None:
+        """A stop in up to three steps: drain (the worker is shown not ready at once; requests under
+        way finish) and the pre_stop hook, side by side; then the stop signal; then, after the grace
+        period, SIGKILL to everything in the slot."""
+        served = self.phase in (Phase.RUNNING, Phase.UNREADY)  # a worker never ready has no requests
         self._set(Phase.STOPPING, why)
-        self._stop_deadline = now + self.spec.stop_grace_seconds
-        if self._handle is not None:
-            self._handle.send_signal(signal.SIGTERM)
+        spec = self.spec
+        self._signal_at = now + (spec.drain_seconds if served else 0.0)
+        self._stop_deadline = None
+        self._signaled = False
+        self._pre_stop = None
+        if spec.pre_stop is not None and self._handle is not None:
+            self._pre_stop_until = now + spec.pre_stop.timeout_seconds
+            if self._executor is None:
+                self._pre_stop = Future()
+                self._pre_stop.set_result(self._run_pre_stop(spec.pre_stop, self._handle))
+            else:
+                self._pre_stop = self._executor.submit(self._run_pre_stop, spec.pre_stop, self._handle)
+                wake = self._wake
+                if wake is not None:
+                    self._pre_stop.add_done_callback(lambda _: wake())
+        if spec.drain_seconds and served:
+            self.message = f"{why}; draining for {spec.drain_seconds:g}s before {spec.stop_signal}"
+        self._escalate_stop(now)
+
+    def _run_pre_stop(self, hook: PreStop, handle: WorkerHandle) -> bool:
+        """The pre_stop hook, in a probe thread: True when it succeeded (the stop goes on either way)."""
+        if hook.exec is not None:
+            probe = Probe(exec=hook.exec, timeout_seconds=hook.timeout_seconds)
+            if self._exec_probe is not None:
+                return self._exec_probe(probe, handle)
+            return self._check(probe, self._probe_host)
+        assert hook.http is not None
+        return call_http(hook.http, self._probe_host, hook.timeout_seconds)
+
+    def _pre_stop_busy(self, now: float) -> bool:
+        return self._pre_stop is not None and not self._pre_stop.done() and now < self._pre_stop_until
+
+    def _send_stop_signal(self) -> None:
+        sig = signal.Signals[self.spec.stop_signal]
+        if self._handle is None:
+            return
+        self._handle.send_signal(sig)
+        if self.spec.stop_scope == "slot":
+            # Every process in the slot, each once: helpers a server forked (and orphaned) stop too.
+            self._cgroup.signal_all(sig, but=self._handle.pid)
 
     def _escalate_stop(self, now: float) -> None:
+        if not self._signaled:
+            if now < self._signal_at or self._pre_stop_busy(now):
+                return
+            self._signaled = True
+            self._stop_deadline = now + self.spec.stop_grace_seconds
+            hook = ""
+            if self._pre_stop is not None:
+                ok = self._pre_stop.done() and not self._pre_stop.exception() and self._pre_stop.result()
+                hook = "pre_stop done; " if ok else "pre_stop failed or timed out; "
+            self._send_stop_signal()
+            grace = self.spec.stop_grace_seconds
+            self.message = f"{self.message}; {hook}{self.spec.stop_signal} sent, waiting up to {grace:g}s"
+            return
         if self._stop_deadline is not None and now >= self._stop_deadline:
             self._stop_deadline = None
             self.message = (

@@ -10,6 +10,8 @@ keeper_client.py), one directory per slot under ``workers_dir``::
                                         worker) and the worker's stdout/stderr FIFOs
     <workers_dir>/<slot id>/logs/       worker.log: stdout and stderr in one time-ordered stream
     <workers_dir>/<slot id>/probe/      the run directory and log of its exec probes
+    <workers_dir>/../released-logs/<slot id>/   a released slot's logs/ and released.json, kept
+                                        for [workers] log_retention_seconds
 
 The keeper's own directory (socket, lock, log, custody links) is ``keeper_dir``, by default
 ``<workers_dir>/../keeper``.
@@ -20,16 +22,19 @@ its cgroup.procs files, network namespace and OOM counter; None means the slot i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import itertools
+import json
 import logging
+import os
 import select
 import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
 from nodeagent.errors import WorkerError
@@ -47,7 +52,7 @@ from nodeagent.runtime.container import (
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
-from nodeagent.runtime.logs import read_log
+from nodeagent.runtime.logs import LogLine, read_log
 from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
@@ -58,6 +63,8 @@ log = logging.getLogger("nodeagent.runtime")
 
 #: In a slot's worker directory: the slot's worker is (or was) a container.
 CONTAINER_MARKER = "container"
+#: What a released slot's kept logs say about it (id, name, released_at).
+RELEASED_RECORD = "released.json"
 #: An exec probe's output is kept small: its last 64 KiB, in one rotation.
 PROBE_LOG_BYTES = 64 * 1024
 #: After killing a probe that overran its timeout, how long to wait for its record.
@@ -93,8 +100,22 @@ class WorkerRuntime(Protocol):
         stderr lines marked ``[stderr] ``."""
         ...
 
-    def discard(self, slot_id: str) -> None:
-        """The slot is gone: remove its worker directory."""
+    def log_lines(self, slot_id: str, lines: int, *, complete_only: bool = False) -> list[LogLine]:
+        """The same lines with their stream and time; also of a released slot whose logs are kept.
+        NotFound when there are none."""
+        ...
+
+    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
+        """The slot is gone: remove its worker directory; ``keep_logs_as`` (its name): keep its
+        logs among the released ones (:meth:`released_logs`) until :meth:`prune_released`."""
+        ...
+
+    def released_logs(self, key: str) -> str | None:
+        """The slot id of the newest kept logs of a released slot with this id or name."""
+        ...
+
+    def prune_released(self, before: float) -> list[str]:
+        """Remove kept logs of slots released before ``before`` (Unix time); their slot ids."""
         ...
 
     def close(self) -> None: ...
@@ -122,6 +143,12 @@ class ManagedCgroup:
         if self._manager.exists():
             self._manager.kill(timeout)
 
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        for pid in self.pids():
+            if pid != but:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
     def oom_kill_count(self) -> int:
         if not self._manager.exists():
             return 0
@@ -136,6 +163,9 @@ class NoCgroup:
 
     def kill_all(self, timeout: float) -> None:
         return None
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        return None  # no cgroup to find them by: the main process alone gets the stop signal
 
     def oom_kill_count(self) -> int:
         return 0
@@ -228,6 +258,8 @@ class KeeperRuntime:
         which connects (starting the keeper if none runs) at the first launch or re-adoption.
         ``podman``: how container workers are run (runtime/container.py)."""
         self._dir = workers_dir
+        #: Logs of released slots, kept for [workers] log_retention_seconds.
+        self._released = workers_dir.parent / "released-logs"
         self._host = host
         self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
         self._podman = podman or PodmanConfig()
@@ -315,9 +347,14 @@ class KeeperRuntime:
         return Readoption.EXITED if found.exit is not None else Readoption.NONE
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
-        return [line.render() for line in read_log(self._dir / slot_id / "logs", lines)]
+        return [line.render() for line in self.log_lines(slot_id, lines)]
 
-    def discard(self, slot_id: str) -> None:
+    def log_lines(self, slot_id: str, lines: int, *, complete_only: bool = False) -> list[LogLine]:
+        live = self._dir / slot_id / "logs"
+        where = live if live.is_dir() else self._released / slot_id / "logs"
+        return read_log(where, lines, complete_only=complete_only)
+
+    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
         if (self._dir / slot_id / CONTAINER_MARKER).exists():
             # Its container normally went with its worker (--rm); one whose podman was killed is
             # still in podman's store.
@@ -329,7 +366,44 @@ class KeeperRuntime:
                     # The slot is gone already; a container left in podman's store holds nothing of
                     # it (its cgroups went with the slot's) and --replace takes its name next time.
                     log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
+        logs = self._dir / slot_id / "logs"
+        if keep_logs_as is not None and logs.is_dir():
+            kept = self._released / slot_id
+            try:
+                kept.mkdir(parents=True, exist_ok=True, mode=0o700)
+                shutil.rmtree(kept / "logs", ignore_errors=True)
+                os.replace(logs, kept / "logs")
+                record = {"id": slot_id, "name": keep_logs_as, "released_at": time.time()}
+                (kept / RELEASED_RECORD).write_text(json.dumps(record) + "\n")
+            except OSError as err:  # the release goes on; only the kept copy is lost
+                log.warning("worker logs not kept", extra={"slot": slot_id, "reason": str(err)})
         shutil.rmtree(self._dir / slot_id, ignore_errors=True)
+
+    def _released_records(self) -> list[dict[str, Any]]:
+        found = []
+        if self._released.is_dir():
+            for kept in self._released.iterdir():
+                try:
+                    record = json.loads((kept / RELEASED_RECORD).read_text())
+                except (OSError, ValueError):
+                    record = {"id": kept.name, "name": None, "released_at": 0.0}  # half-written: oldest
+                if isinstance(record, dict):
+                    found.append(record)
+        return found
+
+    def released_logs(self, key: str) -> str | None:
+        matches = [r for r in self._released_records() if key in (r.get("id"), r.get("name"))]
+        if not matches:
+            return None
+        return str(max(matches, key=lambda r: float(r.get("released_at") or 0.0))["id"])
+
+    def prune_released(self, before: float) -> list[str]:
+        gone = []
+        for record in self._released_records():
+            if float(record.get("released_at") or 0.0) < before:
+                shutil.rmtree(self._released / str(record["id"]), ignore_errors=True)
+                gone.append(str(record["id"]))
+        return gone
 
     def close(self) -> None:
         # The keeper and its workers live on; the next agent re-attaches to them.

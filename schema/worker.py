@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import resource
+import signal
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, WithJsonSchema, model_validator
@@ -22,7 +23,13 @@ OIP_READY_PATH = "/v2/health/ready"
 OIP_LIVE_PATH = "/v2/health/live"
 
 #: The servers the runtime knows how to run (``nodeagent.runtime.presets`` defines each).
-PRESET_NAMES = ("triton", "torchserve", "tfserving", "generic")
+PRESET_NAMES = ("triton", "torchserve", "tfserving", "mlserver", "kserve", "sagemaker", "generic")
+PresetName = Literal["triton", "torchserve", "tfserving", "mlserver", "kserve", "sagemaker", "generic"]
+#: A file the agent writes for the worker (``files``): a plain name in the worker's files directory.
+FILE_NAME_PATTERN = "^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$"
+MAX_FILE_BYTES = 64 * 1024
+FileName = Annotated[str, Field(pattern=FILE_NAME_PATTERN)]
+FileText = Annotated[str, Field(max_length=MAX_FILE_BYTES, pattern="^[^\\u0000]*$")]
 
 #: uid_t and gid_t are 32 bits, and (uid_t)-1 means "no change" to setuid: never an identity.
 MAX_ID = 2**32 - 2
@@ -39,6 +46,7 @@ class RestartPolicy(enum.StrEnum):
 class ProbeKind(enum.StrEnum):
     HTTP = "http"
     TCP = "tcp"
+    GRPC = "grpc"
     EXEC = "exec"
 
 
@@ -141,20 +149,116 @@ Principal = Annotated[str, Field(min_length=1, max_length=256)] | Annotated[int,
 Period = Annotated[float, Field(ge=0.01, le=MAX_PERIOD_SECONDS)]
 Delay = Annotated[float, Field(ge=0, le=MAX_DELAY_SECONDS)]
 Count = Annotated[int, Field(ge=1, le=1000)]
+#: Until a probe first passes it runs this often: a cheap check (a refused connect, one small HTTP
+#: answer) 20 times a second costs next to nothing, and the worker is running within 50 ms of
+#: being ready instead of up to a full period later.
+STARTUP_PERIOD_SECONDS = 0.05
 
 
 # --------------------------------------------------------------------------- probes
 
 
-class HttpCheck(StrictModel):
-    port: Port
-    path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")] = Field(
-        default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy."
+#: A named port of the worker ("http", "grpc", "metrics", "management"): lower case, like a
+#: Kubernetes port name, so that it also makes an environment variable (NODEAGENT_PORT_HTTP).
+PORT_NAME_PATTERN = "^[a-z][a-z0-9_]{0,14}$"
+PortName = Annotated[str, Field(pattern=PORT_NAME_PATTERN)]
+#: A probe's port: a number, or the name of one of the worker's ports (the agent assigns it).
+ProbePort = Annotated[
+    Port | PortName,
+    Field(description='A TCP port, or the name of one of the worker\'s ports ("http", "grpc").'),
+]
+PortProtocol = Literal["http", "grpc", "tcp"]
+
+
+class WorkerPort(StrictModel):
+    """One named port of the worker: a host port the agent assigns from its ``[workers] port_range``,
+    or the one asked for here (refused when taken)."""
+
+    port: Port | None = Field(
+        default=None, description="This host port exactly (refused when in use); default: one assigned."
+    )
+    protocol: PortProtocol | None = Field(
+        default=None,
+        description='What speaks on it: "http", "grpc" or "tcp"; default "grpc" for a port named grpc, '
+        '"http" otherwise.',
     )
 
 
+#: How much of an HTTP probe's answer is read for a body match.
+MAX_PROBE_BODY = 64 * 1024
+HttpStatus = Annotated[int, Field(ge=100, le=599)]
+
+
+def _status(value: Any) -> Any:
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) for v in value)
+        and value[0] > value[1]
+    ):
+        raise ValueError(f"give [lowest, highest], got {shown(value)}")
+    return value
+
+
+class BodyMatch(StrictModel):
+    """What a passing answer's body holds: a substring, or a JSON field with a value."""
+
+    contains: Annotated[str, Field(min_length=1, max_length=4096)] | None = Field(
+        default=None, description="The body (its first 64 KiB, as UTF-8) contains this text."
+    )
+    json_field: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        default=None,
+        description='The body is JSON and this field (dotted; list items by number, "0.workers.0.status") '
+        "equals `equals`.",
+    )
+    equals: Any = Field(default=None, description="The value json_field must have (any JSON value).")
+
+    @model_validator(mode="after")
+    def _one_match(self) -> BodyMatch:
+        if (self.contains is None) == (self.json_field is None):
+            raise ValueError(
+                "give exactly one of 'contains' or 'json_field' (with 'equals'), such as "
+                "{'contains': 'READY'} or {'json_field': 'status', 'equals': 'READY'}"
+            )
+        if self.json_field is not None and "equals" not in self.model_fields_set:
+            raise ValueError("json_field needs 'equals': the value the field must have")
+        if self.contains is not None and "equals" in self.model_fields_set:
+            raise ValueError("'equals' goes with json_field, not with contains")
+        return self
+
+
+class HttpCheck(StrictModel):
+    port: ProbePort
+    path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")] = Field(
+        default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy (or as `status` says)."
+    )
+    status: Annotated[
+        HttpStatus | Annotated[tuple[HttpStatus, HttpStatus], AsTuple], BeforeValidator(_status)
+    ] | None = Field(
+        default=None,
+        description="The status a passing answer has: one (200) or a range ([200, 299]); "
+        "default: 200 to 399.",
+    )
+    body: BodyMatch | None = Field(default=None, description="What a passing answer's body holds.")
+
+    def status_passes(self, status: int) -> bool:
+        if self.status is None:
+            return 200 <= status < 400
+        if isinstance(self.status, int):
+            return status == self.status
+        return self.status[0] <= status <= self.status[1]
+
+
 class TcpCheck(StrictModel):
-    port: Port
+    port: ProbePort
+
+
+class GrpcCheck(StrictModel):
+    port: ProbePort
+    service: Annotated[str, Field(max_length=256)] = Field(
+        default="",
+        description="The service asked about in grpc.health.v1.Health/Check; empty: the server as a whole.",
+    )
 
 
 class ExecCheck(StrictModel):
@@ -162,12 +266,19 @@ class ExecCheck(StrictModel):
 
 
 class Probe(StrictModel):
-    """A readiness or liveness check with Kubernetes' knobs and defaults: one of http, tcp or exec."""
+    """A readiness or liveness check with Kubernetes' knobs and defaults: one of http, tcp, grpc or
+    exec."""
 
     http: HttpCheck | None = None
     tcp: TcpCheck | None = None
+    grpc: GrpcCheck | None = None
     exec: ExecCheck | None = None
     period_seconds: Period = 10.0
+    startup_period_seconds: Period = Field(
+        default=STARTUP_PERIOD_SECONDS,
+        description="Until the probe first passes it runs this often (at most every period_seconds), "
+        "so a worker is running within about this long of being ready.",
+    )
     timeout_seconds: Period = 1.0
     success_threshold: Count = 1
     failure_threshold: Count = 3
@@ -178,7 +289,7 @@ class Probe(StrictModel):
         given = [kind for kind in ProbeKind if getattr(self, kind.value) is not None]
         if len(given) != 1:
             raise ValueError(
-                "give exactly one of 'http', 'tcp' or 'exec', such as "
+                "give exactly one of 'http', 'tcp', 'grpc' or 'exec', such as "
                 "{'http': {'port': 8000, 'path': '/v2/health/ready'}}"
             )
         return self
@@ -188,8 +299,10 @@ class Probe(StrictModel):
         return next(kind for kind in ProbeKind if getattr(self, kind.value) is not None)
 
     @property
-    def port(self) -> int | None:
-        check = self.http or self.tcp
+    def port(self) -> int | str | None:
+        """The port checked: a number, or a port's name until the agent has bound the spec to its
+        slot's ports (``nodeagent.runtime.ports``)."""
+        check = self.http or self.tcp or self.grpc
         return None if check is None else check.port
 
     @property
@@ -199,6 +312,56 @@ class Probe(StrictModel):
     @property
     def argv(self) -> tuple[str, ...]:
         return self.exec.argv if self.exec is not None else ()
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def _signal_name(value: Any) -> Any:
+    """"TERM", "SIGTERM" or 15 -> "SIGTERM"; a signal that cannot stop a process is refused."""
+    if isinstance(value, bool):
+        return value
+    try:
+        if isinstance(value, int):
+            sig = signal.Signals(value)
+        elif isinstance(value, str):
+            name = value.upper()
+            sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        else:
+            return value
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"unknown signal {shown(value)}; use a name such as SIGTERM, SIGINT or SIGQUIT"
+        ) from None
+    if sig in (signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        raise ValueError(f"{sig.name} does not stop a process; use SIGTERM, SIGINT or SIGQUIT")
+    return sig.name
+
+
+class HttpCall(StrictModel):
+    port: ProbePort
+    path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")]
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "GET"
+
+
+class PreStop(StrictModel):
+    """What runs before the worker is signalled to stop: one of http (a request to the worker) or
+    exec (a command in the worker's slot and sandbox, as exec probes run)."""
+
+    http: HttpCall | None = None
+    exec: ExecCheck | None = None
+    timeout_seconds: Annotated[float, Field(gt=0, le=MAX_PERIOD_SECONDS)] = Field(
+        default=10.0, description="How long the hook may take; the stop goes on after it either way."
+    )
+
+    @model_validator(mode="after")
+    def _one_action(self) -> PreStop:
+        if (self.http is None) == (self.exec is None):
+            raise ValueError(
+                "give exactly one of 'http' or 'exec', such as "
+                "{'http': {'port': 'http', 'path': '/drain', 'method': 'POST'}}"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------- the sandbox
@@ -334,7 +497,24 @@ class WorkerSpec(StrictModel):
     readiness: Probe | None = None
     liveness: Probe | None = None
     stop_grace_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
-        default=30.0, description="After SIGTERM, how long before the slot's processes are killed."
+        default=30.0, description="After the stop signal, how long before the slot's processes are killed."
+    )
+    stop_signal: Annotated[str, BeforeValidator(_signal_name)] = Field(
+        default="SIGTERM",
+        description='The signal that asks the worker to stop ("SIGTERM", "SIGINT", "SIGQUIT", ...).',
+    )
+    stop_scope: Literal["slot", "main"] = Field(
+        default="slot",
+        description='Who gets the stop signal: "slot", every process in the slot, each once; "main", the '
+        "main process only (a server that stops its own helpers). SIGKILL after the grace reaches all.",
+    )
+    pre_stop: PreStop | None = Field(
+        default=None, description="A request or command run before the stop signal (within drain and grace)."
+    )
+    drain_seconds: Annotated[float, Field(ge=0, le=MAX_PERIOD_SECONDS)] = Field(
+        default=0.0,
+        description="On a stop, the worker is shown not ready at once and signalled only this long after "
+        "(requests under way finish, balancers move away); skipped for a worker that was never ready.",
     )
     startup_timeout_seconds: Annotated[float, Field(gt=0, le=MAX_DELAY_SECONDS)] = Field(
         default=300.0,
@@ -367,10 +547,39 @@ class WorkerSpec(StrictModel):
         "-1 is unlimited.",
     )
     umask: Annotated[int, Field(ge=0, le=0o777)] = 0o022
-    preset: Literal["triton", "torchserve", "tfserving", "generic"] | None = Field(
+    preset: PresetName | None = Field(
         default=None, description="A known server whose command and probes fill what the spec leaves out."
     )
-    port: Port | None = Field(default=None, description="The port the server listens on (used by presets).")
+    args: Annotated[tuple[Annotated[str, Field(pattern=_NO_NUL)], ...], AsTuple] = Field(
+        default=(),
+        max_length=256,
+        description="Arguments added after the command (the preset's or the spec's own).",
+    )
+    path: Annotated[
+        tuple[Annotated[str, AfterValidator(_absolute), Field(pattern="^/[^:\\u0000]*$")], ...], AsTuple
+    ] = Field(
+        default=(),
+        max_length=32,
+        description="Directories put before the worker's PATH, where its program (and the ones it runs) "
+        "are looked up; an `env` PATH replaces it instead.",
+    )
+    files: Annotated[dict[FileName, FileText], Field(max_length=16)] = Field(
+        default_factory=dict,
+        description="Files written for the worker before each start (name -> text) in its files "
+        'directory ("{files}" in command, args, env and files; NODEAGENT_FILES_DIR), with "{port:NAME}" '
+        'and "{threads}" filled in: configuration a server only reads from a file.',
+    )
+    port: Port | None = Field(
+        default=None,
+        description="With a preset: the host port of its `http` port (the same as "
+        '`"ports": {"http": {"port": N}}`); default: one the agent assigns.',
+    )
+    ports: Annotated[dict[PortName, WorkerPort], Field(max_length=16)] = Field(
+        default_factory=dict,
+        description='Named ports ({"http": {}, "grpc": {"port": 9001}}), added to its preset\'s: each gets a '
+        "free host port from the agent's range (or the one asked for), kept while the slot exists, "
+        'substituted for "{port:NAME}" in command and env, and shown as the slot\'s endpoints.',
+    )
     model_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     model_repository: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     sandbox: WorkerSandbox | None = Field(
@@ -393,6 +602,17 @@ class WorkerSpec(StrictModel):
             )
         if self.liveness is not None and self.liveness.success_threshold != 1:
             raise ValueError("liveness.success_threshold must be 1")
+        asked = self.ports.get("http")
+        if self.port is not None and asked is not None and asked.port not in (None, self.port):
+            raise ValueError(
+                f"port is {self.port} but ports.http.port is {asked.port}; they name the same port, give one"
+            )
+        numbers = [p.port for p in self.ports.values() if p.port is not None]
+        repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"ports: port {repeated[0]} is asked for by more than one name; give each its own"
+            )
         return self
 
     def _container_fits(self) -> None:
@@ -420,17 +640,29 @@ def parse_worker_spec(obj: Any) -> WorkerSpec:
 
 
 __all__ = [
+    "FILE_NAME_PATTERN",
+    "MAX_FILE_BYTES",
+    "MAX_PROBE_BODY",
     "OIP_LIVE_PATH",
     "OIP_READY_PATH",
+    "PORT_NAME_PATTERN",
     "PRESET_NAMES",
+    "STARTUP_PERIOD_SECONDS",
+    "BodyMatch",
     "ContainerMount",
     "ContainerSpec",
     "ExecCheck",
+    "GrpcCheck",
+    "HttpCall",
     "HttpCheck",
+    "PortProtocol",
+    "PreStop",
+    "PresetName",
     "Probe",
     "ProbeKind",
     "RestartPolicy",
     "TcpCheck",
+    "WorkerPort",
     "WorkerSandbox",
     "WorkerSpec",
     "parse_worker_spec",

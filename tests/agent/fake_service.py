@@ -21,6 +21,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Allocated, Assignment, capacity, plan
+from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch, request_to_dict
 from nodeagent.schema.worker import WorkerSpec
@@ -86,6 +87,11 @@ class FakeSlotService:
             "kind": "nodeagent.io/slot",
             "devices": [{"name": slot.name, "containerEdits": {"env": [f"NODEAGENT_SLOT_ID={slot.id}"]}}],
         }
+
+    def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
+        with self._lock:
+            slot = self._find(slot_id)
+            return slot.view.id, [LogLine("stdout", text) for text in slot.logs[-lines:]]
 
     def ready(self) -> bool:
         return self.is_ready

@@ -117,7 +117,9 @@ def test_slot_lifecycle_through_every_slot_path(client: AppClient, service: Fake
     assert (stopped.status_code, stopped.json()["worker"]["phase"]) == (200, "stopped")
 
     logs = client.get(f"/v1/slots/{slot_id}/logs", params={"lines": 2})
-    assert logs.json() == {"id": slot_id, "lines": ["llm-a line 3", "llm-a line 4"]}
+    assert logs.json()["id"] == slot_id
+    assert logs.json()["lines"] == ["llm-a line 3", "llm-a line 4"]
+    assert [e["text"] for e in logs.json()["entries"]] == ["llm-a line 3", "llm-a line 4"]
 
     released = client.delete(f"/v1/slots/{slot_id}")
     assert (released.status_code, released.content) == (204, b"")

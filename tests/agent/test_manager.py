@@ -25,6 +25,7 @@ from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
+from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox import SandboxSpec
@@ -203,6 +204,11 @@ class FakeCgroup:
         if process is not None and process.exit is None:
             process.exit = ExitRecord(None, signal.SIGKILL, False, 0.0, "signaled")
 
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        process = self.world.processes.get(self.slot_id)
+        if process is not None and process.pid != but:
+            process.send_signal(sig)
+
     def oom_kill_count(self) -> int:
         return 0
 
@@ -252,10 +258,22 @@ class FakeRuntime:
         return Readoption.EXITED
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
-        return [f"{slot_id} line {n}" for n in range(lines)]
+        return [line.render() for line in self.log_lines(slot_id, lines)]
 
-    def discard(self, slot_id: str) -> None:
+    def log_lines(self, slot_id: str, lines: int, *, complete_only: bool = False) -> list[LogLine]:
+        return [
+            LogLine("stdout", f"{slot_id} line {n}", f"2026-12-03T08:00:0{n % 10}.000000000Z")
+            for n in range(lines)
+        ]
+
+    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
         return None
+
+    def released_logs(self, key: str) -> str | None:
+        return None
+
+    def prune_released(self, before: float) -> list[str]:
+        return []
 
     def close(self) -> None:
         return None

@@ -124,13 +124,31 @@ def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(dae
 
 def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(daemon: DaemonProcess) -> None:
     client = daemon.start()
-    request = {
-        "name": "broken",
+    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    # A program that is not there is refused when the request comes, before anything is placed.
+    missing = {
+        "name": "missing",
         "qos": "burstable",
         "resources": {"cpus": 0.1, "memory": "32Mi"},
         "worker": {"command": ["/nonexistent/server"], "restart": "always"},
     }
-    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    done = subprocess.run(
+        [*argv, "allocate", "--request", json.dumps(missing), "--wait", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "program '/nonexistent/server' not found" in done.stderr
+    assert client.get("/v1/slots/missing").status_code == 404
+    # One that is there but cannot start (its working directory is missing) fails at its launch.
+    request = {
+        "name": "broken",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": {"command": ["/bin/true"], "workdir": "/nonexistent-natest", "restart": "always"},
+    }
     done = subprocess.run(
         [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "20"],
         capture_output=True,

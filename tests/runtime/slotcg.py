@@ -58,6 +58,12 @@ class V1Slot:
                 return int(value)
         return 0
 
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        for pid in self.pids():
+            if pid != but:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
     def kill_all(self, timeout: float) -> None:
         state = self.dirs["freezer"] / "freezer.state"
         state.write_text("FROZEN")

@@ -90,8 +90,8 @@ def test_full_spec_parses():
         pytest.param(
             {"preset": "torchserve", "model_repository": "/m", "model_name": "bert"},
             "torchserve",
-            "/ping",
-            8080,
+            "/models/bert",  # the model's own status on the management API, not /ping
+            8081,
             id="torchserve",
         ),
         pytest.param(

@@ -63,10 +63,14 @@ class FakeCgroup:
         self.oom_kills = 0
         self.kills = 0
         self.tasks: list[int] = []
+        self.signals: list[tuple[int, int]] = []
 
     def kill_all(self, timeout: float) -> None:
         self.kills += 1
         self.tasks = []
+
+    def signal_all(self, sig: int, but: int | None = None) -> None:
+        self.signals.extend((pid, sig) for pid in self.tasks if pid != but)
 
     def oom_kill_count(self) -> int:
         return self.oom_kills
@@ -112,8 +116,10 @@ def test_running_only_once_ready():
     assert sup.tick().phase is Phase.RUNNING
 
 
-def test_a_slow_starter_is_probed_every_second_until_first_ready_then_every_period():
-    slow = Probe(http=HttpCheck(port=8000), period_seconds=10.0, failure_threshold=3)
+def test_a_slow_starter_is_probed_at_its_startup_period_until_first_ready_then_every_period():
+    slow = Probe(
+        http=HttpCheck(port=8000), period_seconds=10.0, startup_period_seconds=1.0, failure_threshold=3
+    )
     sup, clock, _, _, checked = make(
         WorkerSpec(command=("w",), readiness=slow), probe_results=[False, False, True, True]
     )
@@ -129,6 +135,15 @@ def test_a_slow_starter_is_probed_every_second_until_first_ready_then_every_peri
     clock.now += 5.0
     sup.tick()
     assert len(checked) == 4
+
+
+def test_by_default_a_starting_worker_is_probed_every_50_ms():
+    sup, _, _, _, _ = make(
+        WorkerSpec(command=("w",), readiness=Probe(http=HttpCheck(port=8000))), probe_results=[False]
+    )
+    sup.start()
+    sup.tick()
+    assert sup.due_in() == pytest.approx(0.05)
 
 
 def test_readiness_loss_makes_it_unready_then_running_again():

@@ -1,0 +1,69 @@
+"""Worker logs through the agent on the real kernel: `nodeagent slots logs --follow --json` prints
+new lines of both streams as they come (JSON lines, in time order, none twice), and a released
+slot's logs stay readable by its name. The daemon, its cgroup parent and clean-up are test_e2e's."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.agent.test_e2e import Daemon, daemon, wait_for_phase
+from tests.daemon import nodeagent_argv, wait_until
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+__all__ = ["daemon"]  # the fixture
+
+TICKER = 'i=0; while true; do echo "tick $i"; echo "err $i" >&2; i=$((i+1)); sleep 0.1; done'
+
+
+def test_follow_json_and_logs_after_release(daemon: Daemon) -> None:
+    client = daemon.start()
+    request = {
+        "name": "natest-logs",
+        "qos": "burstable",
+        "resources": {"cpus": 0.2, "memory": "64Mi"},
+        "worker": {"command": ["/bin/sh", "-c", TICKER], "stop_grace_seconds": 2},
+    }
+    assert client.post("/v1/slots", json=request).status_code == 201
+    slot = wait_for_phase(client, "natest-logs", "running")
+    daemon.remember(slot)
+    wait_until("some output", lambda: len(client.get("/v1/slots/natest-logs/logs").json()["lines"]) >= 4)
+
+    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    follower = subprocess.Popen(
+        [*argv, "logs", "natest-logs", "--follow", "--json", "--lines", "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    entries: list[dict[str, Any]] = []
+    try:
+        assert follower.stdout is not None
+        while len(entries) < 30:
+            line = follower.stdout.readline()
+            assert line, f"the follower ended early ({follower.poll()})"
+            entries.append(json.loads(line))
+    finally:
+        follower.send_signal(signal.SIGINT)
+        follower.wait(timeout=30)
+        if follower.stdout is not None:
+            follower.stdout.close()
+    assert follower.returncode == 0
+    assert {e["stream"] for e in entries} == {"stdout", "stderr"}
+    assert [e["time"] for e in entries] == sorted(e["time"] for e in entries)
+    keys = [(e["time"], e["stream"], e["text"]) for e in entries]
+    assert len(keys) == len(set(keys)), "a line was printed twice"
+    ticks = [int(e["text"].split()[1]) for e in entries if e["stream"] == "stdout"]
+    assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), "a line was skipped"
+
+    assert client.delete("/v1/slots/natest-logs").status_code == 204
+    kept = daemon.cli("logs", "natest-logs", "--lines", "5")
+    assert "tick" in kept
+    released = client.get("/v1/slots/natest-logs/logs", params={"lines": 3}).json()
+    assert released["id"] == slot["id"]
+    assert len(released["entries"]) == 3
+    client.close()
