@@ -486,8 +486,10 @@ class Supervisor:
         if self._handle is None:
             return
         self._handle.send_signal(sig)
-        if self.spec.stop_scope == "slot":
+        if self.spec.stop_scope == "slot" and self.spec.container is None:
             # Every process in the slot, each once: helpers a server forked (and orphaned) stop too.
+            # Not for a container: podman passes the signal to the container's init, which passes it
+            # on; conmon and the runtime, also in the slot, must outlive it to record its exit.
             self._cgroup.signal_all(sig, but=self._handle.pid)
 
     def _escalate_stop(self, now: float) -> None:

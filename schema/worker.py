@@ -506,7 +506,8 @@ class WorkerSpec(StrictModel):
     stop_scope: Literal["slot", "main"] = Field(
         default="slot",
         description='Who gets the stop signal: "slot", every process in the slot, each once; "main", the '
-        "main process only (a server that stops its own helpers). SIGKILL after the grace reaches all.",
+        "main process only (a server that stops its own helpers). SIGKILL after the grace reaches all. A "
+        "container worker is always signalled through podman, which passes the signal to the container.",
     )
     pre_stop: PreStop | None = Field(
         default=None, description="A request or command run before the stop signal (within drain and grace)."
