@@ -142,7 +142,14 @@ class DaemonProcess:
 
         wait_until("the daemon's /readyz", ready, timeout)
         token = self.token_file.read_text().strip()
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        # No kept-alive connections: tests drop their clients without closing them, and an idle
+        # socket collected later is a ResourceWarning (an error) in whichever test runs then.
+        return httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def cli(self, *args: str) -> str:
         """``nodeagent slots ARGS`` against this daemon; its stdout (the command must succeed)."""
