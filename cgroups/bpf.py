@@ -98,7 +98,12 @@ def _as_s32(value: int) -> int:
 def _rule_order(rule: DeviceRule) -> tuple[str, int, int, str]:
     """A fixed order for the program's blocks (any match allows, so it only makes the text stable);
     a wildcard (None) sorts first: rules with and without one cannot be compared as tuples."""
-    return (rule.type, -1 if rule.major is None else rule.major, -1 if rule.minor is None else rule.minor, rule.access)
+    return (
+        rule.type,
+        -1 if rule.major is None else rule.major,
+        -1 if rule.minor is None else rule.minor,
+        rule.access,
+    )
 
 
 def assemble(rules: Iterable[DeviceRule]) -> bytes:
