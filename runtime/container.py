@@ -8,7 +8,9 @@ therefore the command worker's, unchanged. What podman adds (docs/containers.md 
 
 - ``--cgroup-manager=cgroupfs --cgroup-parent=/<slot's cgroup>``: the container (and conmon, in
   ``<slot>/conmon``) get cgroups *below* the slot's in every hierarchy, so the slot's cpuset,
-  memory, pids and device limits bound them (hierarchically, on v1 as on v2);
+  memory, pids and device limits bound them (hierarchically, on v1 as on v2). On v2 the parent is
+  ``<slot>/containers`` and podman runs in the leaf ``<slot>/worker``: a cgroup whose controllers
+  reach its children holds no process there (runtime/workers.py makes both);
 - ``--device nodeagent.io/slot=<slot id>``: the slot's CDI spec (device nodes, wiring env, slot
   file), written by the agent;
 - ``--network=host``: the network namespace podman runs in, which is the slot's when it has one
