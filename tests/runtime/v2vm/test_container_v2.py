@@ -211,14 +211,17 @@ def test_a_v2_container_worker_lives_below_its_slot_and_leaves_nothing(
     events = dict(line.split() for line in (slot_dir / "memory.events").read_text().splitlines())
     assert int(events["oom_kill"]) >= 1
     assert int((slot_dir / "memory.peak").read_text()) <= 256 << 20
+    # The kernel chose the hog, not podman or the server: the worker ran on.
+    slot = wait_for_phase(client, "ctr", "running", timeout=SLOW)
+    assert slot["worker"]["pid"] == worker_pid, (slot["worker"], daemon.log_tail())
+    assert container_pid(slot_id) == pid
 
     # SIGKILL the agent: the worker runs on, and the next agent re-adopts it (same processes).
-    slot = wait_for_phase(client, "ctr", "running", timeout=SLOW)
     daemon.kill()
     client.close()
     client = daemon.start(timeout=SLOW)
     slot = wait_for_phase(client, "ctr", "running", timeout=SLOW)
-    assert slot["worker"]["pid"] == worker_pid
+    assert slot["worker"]["pid"] == worker_pid, (slot["worker"], daemon.log_tail())
     assert container_pid(slot_id) == pid
 
     # SIGKILL podman: the keeper ends what it left in <slot>/containers (the container, conmon)
