@@ -335,16 +335,10 @@ def build_manager(
 
 def podman_config(config: AgentConfig, host: CgroupHost) -> PodmanConfig:
     """How container workers call podman ([containers]; runtime/container.py)."""
+    # On pure v2 the worker (podman) runs in a leaf of the slot's cgroup and the container below
+    # another child of it (runtime/workers.py): nothing to refuse.
     runtime = config.containers.runtime or default_runtime(host.mode != "v2")
-    unsupported = ""
-    if host.mode == "v2":
-        # The launch path puts podman itself in the slot's cgroup, and v2 allows no process in a
-        # cgroup whose controllers are enabled for children (podman's below it): not built yet.
-        unsupported = (
-            "not supported on a pure cgroup v2 host yet (docs/containers.md): the slot's cgroup would "
-            "hold podman and the container's cgroups at once; use a command worker"
-        )
-    return PodmanConfig(podman=config.containers.podman, runtime=runtime, unsupported=unsupported)
+    return PodmanConfig(podman=config.containers.podman, runtime=runtime)
 
 
 def build_cdi(config: AgentConfig, *, can_isolate: bool) -> SlotCdiSpecs | None:

@@ -95,6 +95,17 @@ def _as_s32(value: int) -> int:
     return value
 
 
+def _rule_order(rule: DeviceRule) -> tuple[str, int, int, str]:
+    """A fixed order for the program's blocks (any match allows, so it only makes the text stable);
+    a wildcard (None) sorts first: rules with and without one cannot be compared as tuples."""
+    return (
+        rule.type,
+        -1 if rule.major is None else rule.major,
+        -1 if rule.minor is None else rule.minor,
+        rule.access,
+    )
+
+
 def assemble(rules: Iterable[DeviceRule]) -> bytes:
     """The program text (concatenated bpf_insn) that allows exactly ``rules`` and denies the rest."""
     prologue = [
@@ -105,7 +116,7 @@ def assemble(rules: Iterable[DeviceRule]) -> bytes:
         insn(_LDX_MEM_W, dst=4, src=1, off=4),  # major
         insn(_LDX_MEM_W, dst=5, src=1, off=8),  # minor
     ]
-    body = [part for rule in sorted(normalize(rules)) for part in _rule_block(rule)]
+    body = [part for rule in sorted(normalize(rules), key=_rule_order) for part in _rule_block(rule)]
     epilogue = [insn(_ALU32_MOV_K, dst=0, imm=0), insn(_JMP_EXIT)]
     return b"".join(prologue + body + epilogue)
 

@@ -8,7 +8,9 @@ therefore the command worker's, unchanged. What podman adds (docs/containers.md 
 
 - ``--cgroup-manager=cgroupfs --cgroup-parent=/<slot's cgroup>``: the container (and conmon, in
   ``<slot>/conmon``) get cgroups *below* the slot's in every hierarchy, so the slot's cpuset,
-  memory, pids and device limits bound them (hierarchically, on v1 as on v2);
+  memory, pids and device limits bound them (hierarchically, on v1 as on v2). On v2 the parent is
+  ``<slot>/containers`` and podman runs in the leaf ``<slot>/worker``: a cgroup whose controllers
+  reach its children holds no process there (runtime/workers.py makes both);
 - ``--device nodeagent.io/slot=<slot id>``: the slot's CDI spec (device nodes, wiring env, slot
   file), written by the agent;
 - ``--network=host``: the network namespace podman runs in, which is the slot's when it has one
@@ -29,10 +31,10 @@ import os
 import resource
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nodeagent.errors import WorkerError
+from nodeagent.errors import CgroupError, WorkerError
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, WorkerHandle
@@ -49,6 +51,10 @@ SLOT_DEVICE_KIND = "nodeagent.io/slot"
 PODMAN_NPROC_CEILING = 32768
 #: Known static inits for ``--init`` (podman's own default path first).
 INIT_PATHS = ("/usr/libexec/podman/catatonit", "/usr/bin/catatonit")
+#: On cgroup v2, the slot's children: the worker (podman) runs in the first, a leaf, and podman's
+#: ``--cgroup-parent`` is the second (the container's ``libpod-<id>`` and ``conmon`` go below it).
+WORKER_CGROUP = "worker"
+CONTAINERS_CGROUP = "containers"
 #: How long the checks before a launch (``podman image exists``) may take.
 CHECK_TIMEOUT_SECONDS = 30.0
 
@@ -197,11 +203,21 @@ class ContainerLauncher:
     into a crash loop: podman present, the image in local storage. A failed check raises
     WorkerError, which the supervisor records as a failed launch (FAILED, not retried)."""
 
-    def __init__(self, keeper: Launcher, podman: str | None, config: PodmanConfig, image: str) -> None:
+    def __init__(
+        self,
+        keeper: Launcher,
+        podman: str | None,
+        config: PodmanConfig,
+        image: str,
+        *,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        """``prepare``: run before every launch (the slot's v2 child cgroups, made if missing)."""
         self._keeper = keeper
         self._podman = podman
         self._config = config
         self._image = image
+        self._prepare = prepare
 
     def launch(self, req: LaunchRequest) -> WorkerHandle:
         if self._config.unsupported:
@@ -230,6 +246,11 @@ class ContainerLauncher:
             )
         if done.returncode != 0:
             raise WorkerError(f"container worker: podman image exists {self._image}: {done.stderr.strip()}")
+        if self._prepare is not None:
+            try:
+                self._prepare()
+            except CgroupError as err:
+                raise WorkerError(f"container worker: cannot make the slot's child cgroups: {err}") from err
         return self._keeper.launch(req)
 
 
@@ -252,9 +273,11 @@ def container_launch_spec(spec: WorkerSpec, argv: tuple[str, ...]) -> WorkerSpec
 
 
 __all__ = [
+    "CONTAINERS_CGROUP",
     "INIT_PATHS",
     "NAME_PREFIX",
     "PODMAN_NPROC_CEILING",
+    "WORKER_CGROUP",
     "ContainerLauncher",
     "PodmanConfig",
     "container_launch_spec",

@@ -30,7 +30,7 @@ from typing import NoReturn
 
 from nodeagent.runtime import sandbox
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, read_oom_kills
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.request import LaunchRequest, joined_procs
 
 CLONE_NEWNET = 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
@@ -202,7 +202,7 @@ def _tell_keeper(keeper_fd: int, oom_kills: int, message: bytes) -> None:
 def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, trace: Trace) -> NoReturn:
     step = "join cgroups"
     try:
-        join_cgroups(req.cgroup_procs)
+        join_cgroups(joined_procs(req))
         trace.stamp(req.launch_id, "child-joined")
         if req.netns is not None:
             step = f"enter netns {req.netns}"

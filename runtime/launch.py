@@ -47,6 +47,8 @@ class SlotBinding:
     #: Bind memory with set_mempolicy too (cpuset.mems already confines it; this makes it strict
     #: for tasks that later leave the cpuset's control, and for v2 without the cpuset controller).
     bind_memory: bool = False
+    #: A child of the slot's cgroup the worker joins instead of the slot's (LaunchRequest.cgroup_leaf).
+    cgroup_leaf: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ def build_launch_request(
         log_dir=str(worker_dir / "logs"),
         cwd=spec.workdir,
         cgroup_procs=binding.cgroup_procs,
+        cgroup_leaf=binding.cgroup_leaf,
         netns=binding.netns,
         cpus=slot.cpus or None,
         mems=slot.numa_nodes if binding.bind_memory and slot.numa_nodes else None,

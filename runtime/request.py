@@ -33,6 +33,10 @@ class LaunchRequest:
     cwd: str | None = None
     #: cgroup.procs files to join: one per v1 hierarchy, or the single v2 one.
     cgroup_procs: tuple[str, ...] = ()
+    #: A child cgroup of the one each of ``cgroup_procs`` names, which the worker joins instead (a
+    #: container worker on cgroup v2: the slot's own cgroup holds no process once its controllers
+    #: are enabled for children). What the keeper ends at the worker's exit is still the whole slot.
+    cgroup_leaf: str | None = None
     #: A network namespace file (e.g. /run/netns/<name>) to enter.
     netns: str | None = None
     cpus: tuple[int, ...] | None = None
@@ -69,6 +73,8 @@ class LaunchRequest:
         # Shallow (json.dumps reads tuples as lists), and the sandbox's form computed once per spec:
         # dataclasses.asdict's deep copy of a sandboxed request cost ~0.1 ms on every launch.
         body = {name: getattr(self, name) for name in _FIELDS}
+        if self.cgroup_leaf is None:
+            del body["cgroup_leaf"]  # what a keeper older than the field reads unchanged
         if self.sandbox is not None:
             body["sandbox"] = _sandbox_json(self.sandbox)
         return body
@@ -86,3 +92,12 @@ class LaunchRequest:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(LaunchRequest))
+
+
+def joined_procs(req: LaunchRequest) -> tuple[str, ...]:
+    """The cgroup.procs files the worker's child writes itself into (``cgroup_leaf`` applied)."""
+    if req.cgroup_leaf is None:
+        return req.cgroup_procs
+    return tuple(
+        f"{path.rpartition('/')[0]}/{req.cgroup_leaf}/{path.rpartition('/')[2]}" for path in req.cgroup_procs
+    )

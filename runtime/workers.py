@@ -33,6 +33,7 @@ import select
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +42,8 @@ from nodeagent.errors import WorkerError
 from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.container import (
+    CONTAINERS_CGROUP,
+    WORKER_CGROUP,
     ContainerLauncher,
     PodmanConfig,
     container_launch_spec,
@@ -285,7 +288,11 @@ class KeeperRuntime:
                 worker_dir=worker_dir,
                 probe_host=probe_host,
             )
-        template = build_launch_request(spec, slot, slot_binding(applied), worker_dir, sandbox)
+        binding = slot_binding(applied)
+        if self._has_worker_leaf(applied):
+            # A slot allocated for a container worker on v2 (below): its own cgroup holds no process.
+            binding = dataclasses.replace(binding, cgroup_leaf=WORKER_CGROUP)
+        template = build_launch_request(spec, slot, binding, worker_dir, sandbox)
         return Supervisor(
             spec,
             template,
@@ -311,20 +318,31 @@ class KeeperRuntime:
         assert spec.container is not None
         binding = slot_binding(applied)
         podman = self._podman.binary()
+        parent = applied.cgroup if applied is not None else None
+        prepare = None
+        if applied is not None and self._host is not None and applied.cgroup_version == "v2":
+            # v2 allows no process in a cgroup whose controllers are enabled for its children
+            # ("no internal processes"): podman runs in a leaf of the slot, <slot>/worker, and its
+            # container (and conmon) below another, <slot>/containers (docs/containers.md).
+            binding = dataclasses.replace(binding, cgroup_leaf=WORKER_CGROUP)
+            parent = f"{applied.cgroup}/{CONTAINERS_CGROUP}"
+            prepare = self._leaves_maker(applied.cgroup)
         argv = run_argv(
             podman or self._podman.podman or "podman",
             self._podman,
             spec,
             spec.container,
             slot_id=slot.slot_id,
-            cgroup=applied.cgroup if applied is not None else None,
+            cgroup=parent,
             sandbox=sandbox,
             init=init_path(),
         )
         template = build_launch_request(container_launch_spec(spec, argv), slot, binding, worker_dir, None)
         # What discard() needs to find the container again, also after an agent restart.
         (worker_dir / CONTAINER_MARKER).write_text(spec.container.image + "\n")
-        launcher: Launcher = ContainerLauncher(self._keeper, podman, self._podman, spec.container.image)
+        launcher: Launcher = ContainerLauncher(
+            self._keeper, podman, self._podman, spec.container.image, prepare=prepare
+        )
         prefix = exec_argv(podman or "podman", self._podman, slot.slot_id, ())
         return Supervisor(
             spec,
@@ -334,6 +352,26 @@ class KeeperRuntime:
             probe_host=probe_host,
             exec_probe=SlotExecProbe(template, self._keeper, worker_dir / "probe", prefix),
         )
+
+    def _has_worker_leaf(self, applied: AppliedSlot | None) -> bool:
+        """The slot is a v2 slot made ready for a container worker: its worker runs in a leaf."""
+        if applied is None or self._host is None or applied.cgroup_version != "v2":
+            return False
+        return open_manager(self._host, f"{applied.cgroup}/{WORKER_CGROUP}").exists()
+
+    def _leaves_maker(self, cgroup: str) -> Callable[[], None]:
+        host = self._host
+        assert host is not None
+
+        def make() -> None:
+            # Creating them enables the slot's controllers for its children (cgroups/v2.py), which
+            # the kernel refuses while a process sits in the slot's cgroup itself (EBUSY).
+            for leaf in (WORKER_CGROUP, CONTAINERS_CGROUP):
+                manager = open_manager(host, f"{cgroup}/{leaf}")
+                if not manager.exists():
+                    manager.create()
+
+        return make
 
     def _cgroup(self, applied: AppliedSlot | None) -> SlotCgroup:
         if applied is None or self._host is None:

@@ -83,6 +83,25 @@ def test_program_is_prologue_rules_and_default_deny() -> None:
     assert program[-2:] == [(0xB4, 0, 0, 0, 0), (0x95, 0, 0, 0, 0)]
 
 
+def test_wildcards_and_numbers_together_assemble_and_decide() -> None:
+    # A container slot's list: mknod of any node beside numbered ones (a wildcard cannot be
+    # compared with a number, so the blocks are ordered by a key, not by the rules themselves).
+    rules = [
+        DeviceRule("c", 1, 3, "rwm"),
+        DeviceRule("c", None, None, "m"),
+        DeviceRule("b", None, None, "m"),
+        DeviceRule("c", 136, None, "rw"),
+        DeviceRule("c", 5, 1, "rw"),
+    ]
+    program = bpf.assemble(rules)
+    assert program == bpf.assemble(reversed(rules))
+    assert run(program, BLOCK, M, 7, 0) == 1
+    assert run(program, BLOCK, R, 7, 0) == 0
+    assert run(program, CHAR, R | W, 136, 4) == 1
+    assert run(program, CHAR, R, 5, 1) == 1
+    assert run(program, CHAR, R, 5, 2) == 0
+
+
 def test_device_numbers_beyond_s32_are_refused() -> None:
     with pytest.raises(CgroupError, match="too large"):
         bpf.assemble([DeviceRule("c", 2**31, 0)])

@@ -214,3 +214,38 @@ def test_a_root_sandbox_keeps_its_read_only_root_in_a_container() -> None:
     assert "--read-only" in line
     assert "--user=0:0" in line
     assert "--cap-add=CHOWN" in line
+
+
+def test_v2_the_slot_is_prepared_before_the_launch_and_a_failure_says_why(tmp_path: Path) -> None:
+    from nodeagent.errors import CgroupError
+
+    keeper = RecordingKeeper()
+    made: list[str] = []
+    launcher = ContainerLauncher(
+        keeper, fake_podman(tmp_path, 0), CONFIG, "localhost/x:1", prepare=lambda: made.append("leaves")
+    )
+    with pytest.raises(WorkerError, match="recorded"):
+        launcher.launch(REQ)
+    assert made == ["leaves"]
+    assert keeper.launched == [REQ]
+
+    def busy() -> None:
+        raise CgroupError("write cgroup.subtree_control: Device or resource busy")
+
+    podman = fake_podman(tmp_path, 0)
+    refused = ContainerLauncher(RecordingKeeper(), podman, CONFIG, "localhost/x:1", prepare=busy)
+    with pytest.raises(WorkerError, match=r"cannot make the slot's child cgroups: .*busy"):
+        refused.launch(REQ)
+
+
+def test_a_cgroup_leaf_is_joined_instead_of_the_slot_and_travels_only_when_set() -> None:
+    from nodeagent.runtime.request import joined_procs
+
+    procs = ("/sys/fs/cgroup/a.slice/s1/cgroup.procs",)
+    plain = LaunchRequest(launch_id="s1", argv=("x",), env={}, run_dir="/r", log_dir="/l", cgroup_procs=procs)
+    assert "cgroup_leaf" not in plain.to_json()  # a keeper older than the field reads it unchanged
+    assert joined_procs(plain) == procs
+    leaf = LaunchRequest.from_json({**plain.to_json(), "cgroup_leaf": "worker"})
+    assert leaf.cgroup_procs == procs  # the keeper still ends the whole slot's tree
+    assert joined_procs(leaf) == ("/sys/fs/cgroup/a.slice/s1/worker/cgroup.procs",)
+    assert LaunchRequest.from_json(leaf.to_json()) == leaf
