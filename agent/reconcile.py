@@ -38,6 +38,7 @@ class ReconcileReport:
     failed: list[str] = field(default_factory=list)
     finished_releasing: list[str] = field(default_factory=list)
     recreated: list[str] = field(default_factory=list)
+    resized: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
     workers_adopted: list[str] = field(default_factory=list)
     workers_exited: list[str] = field(default_factory=list)
@@ -171,6 +172,30 @@ def _reconcile_slot(manager: SlotManager, slot: Slot, report: ReconcileReport) -
             manager._store.add_event("recreate", "its cgroup had vanished; isolation re-applied", slot.id)
         except NodeAgentError:
             report.failed.append(slot.name)
+    elif slot.state in (SlotState.READY, SlotState.RUNNING) and _resize_interrupted(manager, slot):
+        # A resize commits the new assignment before it changes the kernel and records what the
+        # kernel holds after: killed in between, the cgroup still has the old CPUs. Finish it.
+        try:
+            manager._finish_pending(dataclasses.replace(slot, state=SlotState.PENDING))
+            report.resized.append(slot.name)
+            manager._store.add_event(
+                "resize", "a resize the agent did not finish: isolation re-applied", slot.id
+            )
+        except NodeAgentError:
+            report.failed.append(slot.name)
+
+
+def _resize_interrupted(manager: SlotManager, slot: Slot) -> bool:
+    """Whether the stored kernel state is older than the stored assignment: an exclusive slot's
+    CPUs (or any slot's memory limit) differ between the two."""
+    applied, assignment = slot.applied, slot.assignment
+    if not manager._isolation.isolates or applied is None or assignment is None:
+        return False
+    if assignment.exclusive and applied.cpus != frozenset(assignment.cpus):
+        return True
+    # Guaranteed and burstable slots are limited at their assignment (best-effort at a multiple).
+    online = slot.request.qos != "best-effort"
+    return online and applied.memory_max is not None and applied.memory_max != assignment.memory_bytes
 
 
 def _cgroup_vanished(manager: SlotManager, slot: Slot) -> bool:

@@ -525,6 +525,33 @@ def test_resize_rolls_back_when_isolation_fails(make: Any, world: World) -> None
     assert len(held_cpus(manager)) == 2
 
 
+class Crash(BaseException):
+    """The agent dying at this instant: nothing of its own error handling runs."""
+
+
+def test_a_resize_cut_short_by_a_crash_is_finished_at_start(make: Any, world: World) -> None:
+    first = make()
+    slot = first.allocate(parse_slot_request(guaranteed(cpus=2))).slot
+    old_cpus = world.cgroups[slot.id]["cpus"]
+
+    def die(spec: SlotIsolationSpec) -> AppliedSlot:
+        raise Crash
+
+    first._isolation.apply = die  # type: ignore[method-assign]
+    with pytest.raises(Crash):  # the new assignment is committed, the kernel not yet changed
+        first.resize(slot.id, ResourcesPatch.model_validate({"cpus": 4}))
+    first.close()
+    assert world.cgroups[slot.id]["cpus"] == old_cpus
+    second = make()
+    assert second.report.resized == ["web"]
+    assignment = second.get_slot(slot.id).assignment
+    assert assignment is not None
+    assert len(assignment.cpus) == 4
+    assert world.cgroups[slot.id]["cpus"] == sorted(assignment.cpus)
+    third = make()  # a clean start after that finds nothing to finish
+    assert third.report.resized == []
+
+
 def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     manager = make()
     slot = manager.allocate(parse_slot_request(guaranteed())).slot
