@@ -61,28 +61,6 @@ from nodeagent.isolation.colocation_types import (
     WindowPoint,
 )
 
-__all__ = [
-    "ACTION_KINDS",
-    "Action",
-    "ActionKind",
-    "Batch",
-    "BestEffortSlot",
-    "ColocationConfig",
-    "CpuLimit",
-    "Decision",
-    "Eviction",
-    "GroupUsage",
-    "LoopState",
-    "Measured",
-    "PressureResource",
-    "Sample",
-    "Stall",
-    "WindowPoint",
-    "actions_by_slot",
-    "choose_cpus",
-    "decide",
-]
-
 #: Hysteresis below each memory threshold before its action is undone, in percentage points.
 MEMORY_HYSTERESIS_POINTS = 5.0
 #: Quota is written in hundredths of a CPU.
