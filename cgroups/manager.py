@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Literal
 
@@ -40,3 +41,23 @@ def remove_subtree(host: CgroupHost, relpath: str, timeout: float = 5.0) -> None
     manager = open_manager(host, relpath)
     manager.kill(timeout)
     manager.delete(timeout)
+    if host.mode != "v2":
+        _remove_untracked(host, relpath)
+
+
+def _remove_untracked(host: CgroupHost, relpath: str) -> None:
+    """The same path in the hierarchies without controllers (``name=systemd``, a hybrid host's
+    cgroup2 mount): a container runtime below a slot makes its groups there too, and leaves the
+    ancestors it made. Empty once the processes above are gone; one still busy stays."""
+    controllers = set(host.v1_mounts.values())
+    for mount in host.all_mounts:
+        if mount in controllers:
+            continue
+        top = mount / relpath.strip("/")
+        if not top.is_dir() or top == mount:
+            continue
+        for directory in sorted((d for d in top.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()

@@ -266,3 +266,24 @@ def test_procs_files_name_every_hierarchy(v1_group: CgroupManager, real_host: Cg
     files = v1_group.procs_files()
     assert len(files) == len(set(real_host.v1_mounts.values()))
     assert all(f.name == "cgroup.procs" and f.exists() for f in files)
+
+
+def test_remove_subtree_also_clears_the_hierarchies_without_controllers(real_host: CgroupHost) -> None:
+    """runc below a slot on a hybrid host makes groups in name=systemd and the cgroup2 mount too,
+    with the ancestors they need; removing the agent's parent removes those as well."""
+    untracked = [m for m in real_host.all_mounts if m not in set(real_host.v1_mounts.values())]
+    if real_host.mode == "v2" or not untracked:
+        pytest.skip("needs a v1 or hybrid host with a controller-less hierarchy")
+    parent = unique_name() + ".slice"
+    open_manager(real_host, f"{parent}/slot").create()
+    made = [mount / parent / "slot" / "libpod-x" for mount in untracked]
+    try:
+        for path in made:
+            path.mkdir(parents=True)
+        remove_subtree(real_host, parent)
+        assert [m for m in real_host.all_mounts if (m / parent).exists()] == []
+    finally:
+        for path in made:
+            for leftover in (path, path.parent, path.parent.parent):
+                if leftover.exists():
+                    leftover.rmdir()
