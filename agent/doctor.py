@@ -34,7 +34,7 @@ from nodeagent.runtime.podman_facts import PodmanFacts, podman_facts
 Status = Literal["OK", "WARN", "FAIL"]
 REQUIRED_CONTROLLERS = ("cpuset", "memory", "pids")
 NVIDIA_VENDOR = "0x10de"
-CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_RESOURCE = 12, 21, 24
 NODE_DIR = "devices/system/node"
 _NODE_NAME = re.compile(r"node\d+")
 
@@ -117,6 +117,15 @@ def _cgroups(roots: HostRoots) -> CgroupHost | Check:
 
 def check_privileges(roots: HostRoots, host: CgroupHost) -> Check:
     if roots.euid == 0:
+        if not _effective_caps(roots) & (1 << CAP_SYS_RESOURCE):
+            # Some hosts (containers, restricted VMs) withhold it from root.
+            return Check(
+                "privileges",
+                "WARN",
+                "running as root without CAP_SYS_RESOURCE: a worker cannot get an OOM score below the "
+                "agent's (guaranteed workers keep the agent's protection, no more), nor raise rlimits",
+                "give the agent CAP_SYS_RESOURCE (the host or its container runtime withholds it)",
+            )
         return Check("privileges", "OK", "running as root")
     if host.delegated:
         return Check(

@@ -204,6 +204,10 @@ def test_host_with_nothing_fails(tmp_path: Path) -> None:
             "network namespaces", "WARN", "missing CAP_SYS_ADMIN", id="netns-without-sys-admin",
         ),
         pytest.param(
+            {"proc/self/status": STATUS.format(caps="000001fffeffffff")},
+            "privileges", "WARN", "without CAP_SYS_RESOURCE", id="root-without-sys-resource",
+        ),
+        pytest.param(
             {
                 "proc/meminfo": "MemTotal:       16777216 kB\n",
                 "sys/devices/system/node/node0/meminfo": "Node 0 MemTotal:        8388608 kB\n",
