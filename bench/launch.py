@@ -46,11 +46,12 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from crun_driver import Crun, serve
 
 from nodeagent.runtime.enter import join_file
 from nodeagent.runtime.keeper_client import KeeperClient, stop_keeper
@@ -141,50 +142,6 @@ def crun_bundle(where: Path) -> Path:
     (where / "config.json").write_text(json.dumps(config))
     return where
 
-
-def crun_server() -> None:
-    """Inside ``unshare -m``: run ``crun run`` once per line read ("<name> <gap seconds>"), reply ms."""
-    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-    subprocess.run(["umount", str(ROOT / "unified")], check=True)
-    bundle = crun_bundle(Path(tempfile.mkdtemp(prefix="natest-crun-")))
-    state = bundle / "state"
-    try:
-        for line in sys.stdin:
-            name, gap = line.split()
-            time.sleep(float(gap))
-            command = ["crun", "--root", str(state), "run", "--bundle", str(bundle), name]
-            started = time.perf_counter()
-            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
-            elapsed = (time.perf_counter() - started) * 1000
-            reply = {"ms": elapsed} if done.returncode == 0 else {"error": done.stderr.decode()[-400:]}
-            print(json.dumps(reply), flush=True)
-    finally:
-        shutil.rmtree(bundle, ignore_errors=True)
-
-
-class Crun:
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            ["unshare", "-m", sys.executable, __file__, "--crun-server"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def run(self, name: str, gap: float) -> float:
-        assert self.process.stdin is not None
-        assert self.process.stdout is not None
-        self.process.stdin.write(f"{name} {gap}\n")
-        self.process.stdin.flush()
-        reply = json.loads(self.process.stdout.readline() or '{"error": "the crun helper died"}')
-        if "error" in reply:
-            raise RuntimeError(f"crun run failed: {reply['error']}")
-        return float(reply["ms"])
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
 
 
 # --- the contenders ---------------------------------------------------------------------------------
@@ -367,7 +324,7 @@ def optional_crun(wanted: bool) -> Iterator[Crun | None]:
         print("crun-run: skipped (crun or unshare not installed; apt-get install -y crun)")
         yield None
         return
-    crun = Crun()
+    crun = Crun(__file__)
     try:
         yield crun
     finally:
@@ -384,7 +341,7 @@ def main() -> None:
     parser.add_argument("--crun-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.crun_server:
-        crun_server()
+        serve(crun_bundle)
         return
     work = Path(tempfile.mkdtemp(prefix="natest-bench-"))
     try:

@@ -33,12 +33,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from crun_driver import Crun, serve
 
 from nodeagent.runtime.sandbox import (
     SandboxSpec,
@@ -182,51 +182,6 @@ def crun_bundle(where: Path) -> Path:
     return where
 
 
-def crun_server() -> None:
-    """Inside ``unshare -m``: one ``crun run`` per line read, reply with the milliseconds it took."""
-    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
-    if os.path.ismount("/sys/fs/cgroup/unified"):
-        subprocess.run(["umount", "/sys/fs/cgroup/unified"], check=True)
-    bundle = crun_bundle(Path(tempfile.mkdtemp(prefix="natest-crun-")))
-    state = bundle / "state"
-    try:
-        for line in sys.stdin:
-            command = ["crun", "--root", str(state), "run", "--bundle", str(bundle), line.strip()]
-            started = time.perf_counter()
-            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
-            elapsed = (time.perf_counter() - started) * 1000
-            reply = {"ms": elapsed} if done.returncode == 0 else {"error": done.stderr.decode()[-400:]}
-            print(json.dumps(reply), flush=True)
-    finally:
-        shutil.rmtree(bundle, ignore_errors=True)
-
-
-class Crun:
-    def __init__(self) -> None:
-        self.process = subprocess.Popen(
-            ["unshare", "-m", sys.executable, __file__, "--crun-server"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.count = 0
-
-    def run(self) -> float:
-        assert self.process.stdin is not None
-        assert self.process.stdout is not None
-        self.count += 1
-        self.process.stdin.write(f"natest{os.getpid()}-{self.count}\n")
-        self.process.stdin.flush()
-        reply = json.loads(self.process.stdout.readline() or '{"error": "the crun helper died"}')
-        if "error" in reply:
-            raise RuntimeError(f"crun run failed: {reply['error']}")
-        return float(reply["ms"])
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
-
 
 # --- steps -----------------------------------------------------------------------------------------
 
@@ -315,7 +270,7 @@ def main() -> None:
     parser.add_argument("--crun-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.crun_server:
-        crun_server()
+        serve(crun_bundle)
         return
     if os.geteuid() != 0:
         sys.exit("bench/sandbox.py needs root (namespaces, mounts, setuid)")
@@ -326,7 +281,7 @@ def main() -> None:
         "sandbox+cgroupns": sandboxed(CGROUPNS),
         "root+pidns+init": sandboxed(ROOT),
     }
-    crun = None if args.no_crun or not shutil.which("crun") or not shutil.which("unshare") else Crun()
+    crun = None if args.no_crun or not shutil.which("crun") or not shutil.which("unshare") else Crun(__file__)
     launch_us: dict[str, list[float]] = collections.defaultdict(list)
     after_us: dict[str, list[float]] = collections.defaultdict(list)
     try:

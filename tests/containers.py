@@ -1,20 +1,36 @@
 """A tiny container image built here, offline: the host's static busybox (package busybox-static)
 with one applet link per tool the tests use and a document root for ``busybox httpd``; imported
 into podman's local storage with ``podman import`` (no registry, no network). ~2 MB, under a
-second to build; once per test session, removed at its end."""
+second to build; once per test session, removed at its end.
+
+Also what the container worker suites (on this kernel and in the cgroup v2 VM) share: what they
+need of the host, and an agent that writes CDI specs and cleans up every container and cgroup.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import subprocess
 import tarfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from nodeagent.agent.config import apply_overrides, parse_config
+from nodeagent.agent.daemon import build_isolation
+from nodeagent.cgroups import detect
+from nodeagent.devices.discovery import discover
+from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.runtime.container import container_name
+from tests.daemon import DaemonProcess
 
 #: The applets linked into /bin (busybox finds its applet from argv[0]).
 APPLETS = ("sh", "cat", "echo", "sleep", "dd", "head", "awk", "httpd", "ls", "grep", "true", "wc", "tr")
 STATIC_BUSYBOX = ("/bin/busybox", "/usr/bin/busybox")
+#: Two devices every host with the loop driver has: one the slot is given, one it is not.
+ALLOWED, OTHER = "/dev/loop0", "/dev/loop1"
 
 
 def static_busybox() -> str | None:
@@ -82,3 +98,45 @@ def remove_image(tag: str) -> None:
     podman = shutil.which("podman")
     if podman is not None:
         subprocess.run([podman, "rmi", "--force", tag], capture_output=True, timeout=120, check=False)
+
+
+def missing_for_containers() -> str | None:
+    """What the host lacks for the container worker suites (None: nothing)."""
+    if shutil.which("podman") is None:
+        return "podman is not installed (run-tests installs it as root)"
+    if static_busybox() is None:
+        return "no static busybox (apt-get install busybox-static)"
+    if not (os.path.exists(ALLOWED) and os.path.exists(OTHER)):
+        return f"{ALLOWED} and {OTHER} are needed (the loop driver)"
+    return None
+
+
+@contextlib.contextmanager
+def container_daemon(
+    tmp_path: Path, isolation: Mapping[str, str], cdi: Mapping[str, str]
+) -> Iterator[DaemonProcess]:
+    """A ``nodeagent serve`` that may give slots ALLOWED and writes CDI specs as ``cdi`` says; at
+    the end its containers (one per spec it left), specs, keeper and cgroups go."""
+    toml = (
+        "[isolation]\n"
+        + "".join(f'{k} = "{v}"\n' for k, v in isolation.items())
+        + f'[placement]\nallowed_devices = ["{ALLOWED}"]\n'
+        + f'[cdi]\ndir = "{cdi["dir"]}"\nprefix = "{cdi["prefix"]}"\n'
+    )
+    d = DaemonProcess(tmp_path, toml)
+    try:
+        yield d
+    finally:
+        d.stop()
+        d.stop_keeper()
+        for spec in Path(cdi["dir"]).glob(f"{cdi['prefix']}*.json"):
+            slot_id = spec.name[len(cdi["prefix"]) : -len(".json")]
+            subprocess.run(
+                ["podman", "rm", "-f", "--ignore", container_name(slot_id)], capture_output=True, check=False
+            )
+            spec.unlink()
+        config = parse_config({"isolation": dict(isolation), "cdi": dict(cdi)})
+        cfg = apply_overrides(config, state_dir=d.state)
+        kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+        if isinstance(kernel, KernelIsolation):
+            kernel.isolator.remove_all()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,20 +21,21 @@ import httpx
 import jsonschema
 import pytest
 
-from nodeagent.agent.config import apply_overrides, parse_config
-from nodeagent.agent.daemon import build_isolation
-from nodeagent.cgroups import detect
-from nodeagent.devices.discovery import discover
-from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.container import container_name
-from tests.containers import build_image, remove_image, static_busybox
+from tests.containers import (
+    ALLOWED,
+    OTHER,
+    build_image,
+    container_daemon,
+    missing_for_containers,
+    remove_image,
+)
 from tests.daemon import DaemonProcess, free_port, wait_until
 from tests.isolation.cdi_schema import cdi_schema
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 PID = os.getpid()
-ALLOWED, OTHER = "/dev/loop0", "/dev/loop1"
 ISOLATION = {
     "cgroup_parent": f"natest{PID}ct.slice",
     "netns_prefix": f"nc{PID}-",
@@ -45,21 +45,9 @@ ISOLATION = {
 CDI = {"dir": "/var/run/cdi", "prefix": f"natest{PID}ct-"}
 
 
-def _needs() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    if shutil.which("podman") is None:
-        return "podman is not installed (run-tests installs it as root)"
-    if static_busybox() is None:
-        return "no static busybox (apt-get install busybox-static)"
-    if not (os.path.exists(ALLOWED) and os.path.exists(OTHER)):
-        return f"{ALLOWED} and {OTHER} are needed (the loop driver)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def image() -> Iterator[str]:
-    why = _needs()
+    why = "needs root" if os.geteuid() != 0 else missing_for_containers()
     if why:
         pytest.skip(why)
     tag = build_image(f"localhost/natest-busybox:{PID}")
@@ -69,28 +57,8 @@ def image() -> Iterator[str]:
 
 @pytest.fixture
 def daemon(tmp_path: Path, image: str) -> Iterator[DaemonProcess]:
-    toml = (
-        "[isolation]\n"
-        + "".join(f'{k} = "{v}"\n' for k, v in ISOLATION.items())
-        + f'[placement]\nallowed_devices = ["{ALLOWED}"]\n'
-        + f'[cdi]\ndir = "{CDI["dir"]}"\nprefix = "{CDI["prefix"]}"\n'
-    )
-    d = DaemonProcess(tmp_path, toml)
-    try:
+    with container_daemon(tmp_path, ISOLATION, CDI) as d:
         yield d
-    finally:
-        d.stop()
-        d.stop_keeper()
-        cfg = apply_overrides(parse_config({"isolation": ISOLATION, "cdi": CDI}), state_dir=d.state)
-        kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-        if isinstance(kernel, KernelIsolation):
-            kernel.isolator.remove_all()
-        for spec in Path(CDI["dir"]).glob(f"{CDI['prefix']}*.json"):
-            slot_id = spec.name[len(CDI["prefix"]) : -len(".json")]
-            subprocess.run(
-                ["podman", "rm", "-f", "--ignore", container_name(slot_id)], capture_output=True, check=False
-            )
-            spec.unlink()
 
 
 def wait_for_phase(client: httpx.Client, name: str, *phases: str, timeout: float = 60.0) -> dict[str, Any]:

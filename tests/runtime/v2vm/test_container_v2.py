@@ -25,13 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.agent.config import apply_overrides, parse_config
-from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import bpf, detect
-from nodeagent.devices.discovery import discover
-from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.container import CONTAINERS_CGROUP, WORKER_CGROUP, container_name
-from tests.containers import build_image, remove_image, static_busybox
+from tests.containers import (
+    ALLOWED,
+    OTHER,
+    build_image,
+    container_daemon,
+    missing_for_containers,
+    remove_image,
+)
 from tests.daemon import DaemonProcess, free_port, wait_until
 from tests.runtime.test_container_kernel import OPEN_IN_CGROUP, container_pid, wait_for_phase
 
@@ -39,7 +42,6 @@ pytestmark = [pytest.mark.slow]
 
 ROOT = Path("/sys/fs/cgroup")
 PID = os.getpid()
-ALLOWED, OTHER = "/dev/loop0", "/dev/loop1"
 ISOLATION = {
     "cgroup_parent": f"natest{PID}c2.slice",
     "netns_prefix": f"nc{PID}-",
@@ -56,13 +58,7 @@ SLOW = 240.0
 def _needs() -> str | None:
     if detect().mode != "v2":
         return "needs a pure cgroup v2 host"
-    if shutil.which("podman") is None:
-        return "podman is not installed"
-    if static_busybox() is None:
-        return "no static busybox (apt-get install busybox-static)"
-    if not (os.path.exists(ALLOWED) and os.path.exists(OTHER)):
-        return f"{ALLOWED} and {OTHER} are needed (the loop driver)"
-    return None
+    return missing_for_containers()
 
 
 @pytest.fixture(scope="module")
@@ -86,29 +82,8 @@ def image() -> Iterator[str]:
 
 @pytest.fixture
 def daemon(tmp_path: Path, image: str) -> Iterator[DaemonProcess]:
-    toml = (
-        "[isolation]\n"
-        + "".join(f'{k} = "{v}"\n' for k, v in ISOLATION.items())
-        + f'[placement]\nallowed_devices = ["{ALLOWED}"]\n'
-        + f'[cdi]\ndir = "{CDI["dir"]}"\nprefix = "{CDI["prefix"]}"\n'
-    )
-    d = DaemonProcess(tmp_path, toml)
-    try:
+    with container_daemon(tmp_path, ISOLATION, CDI) as d:
         yield d
-    finally:
-        d.stop()
-        d.stop_keeper()
-        for spec in Path(CDI["dir"]).glob(f"{CDI['prefix']}*.json"):
-            slot_id = spec.name[len(CDI["prefix"]) : -len(".json")]
-            subprocess.run(
-                ["podman", "rm", "-f", "--ignore", container_name(slot_id)], capture_output=True, check=False
-            )
-            spec.unlink()
-        cfg = apply_overrides(parse_config({"isolation": ISOLATION, "cdi": CDI}), state_dir=d.state)
-        kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-        if isinstance(kernel, KernelIsolation):
-            kernel.isolator.remove_all()
-        assert not (ROOT / ISOLATION["cgroup_parent"]).exists()
 
 
 def cgroup_of(pid: int) -> str:
