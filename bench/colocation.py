@@ -241,14 +241,17 @@ def cpu_seconds(slot: AppliedSlot) -> float:
     return (stats.cpu_usage_ns or 0) / 1e9
 
 
-def pool_busy_seconds(pool: frozenset[int]) -> float:
-    busy = 0
+def pool_busy_seconds(pool: frozenset[int]) -> tuple[float, float]:
+    """CPU-seconds the pool's CPUs were busy (steal included) and of those, stolen by the hypervisor."""
+    busy = steal = 0
     for line in Path("/proc/stat").read_text().splitlines():
         name, _, rest = line.partition(" ")
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in pool:
             values = [int(v) for v in rest.split()]
             busy += sum(values[i] for i in (0, 1, 2, 5, 6, 7))
-    return busy / os.sysconf("SC_CLK_TCK")
+            steal += values[7] if len(values) > 7 else 0
+    tick = os.sysconf("SC_CLK_TCK")
+    return busy / tick, steal / tick
 
 
 def own_cpu_seconds() -> float:
@@ -266,6 +269,7 @@ class Result:
     best_effort_cpu: float
     pool_busy: float
     pool_cpus: int
+    steal: float = 0.0
     loop_busy: float = 0.0
     loop_periods: int = 0
     notes: dict[str, int] = field(default_factory=dict)
@@ -301,7 +305,8 @@ class Bench:
         try:
             if name != "alone":
                 hogs = [start_in(self.batch, python(CPU_HOG)) for _ in self.pool]
-                hogs.append(start_in(self.batch, python(BANDWIDTH_HOG)))
+                if not self.args.no_bandwidth_hog:
+                    hogs.append(start_in(self.batch, python(BANDWIDTH_HOG)))
             if name == "qos loop":
                 loop = self.loop()
                 loop.start()
@@ -324,13 +329,14 @@ class Bench:
             online_cpu=after[1] - before[1],
             client_cpu=after[2] - before[2],
             best_effort_cpu=after[3] - before[3],
-            pool_busy=after[4] - before[4],
+            pool_busy=after[4][0] - before[4][0],
+            steal=after[4][1] - before[4][1],
             pool_cpus=len(self.pool),
             loop_busy=0.0 if loop is None else loop.busy,
             loop_periods=0 if loop is None else loop.periods,
         )
 
-    def snapshot(self) -> tuple[float, float, float, float, float]:
+    def snapshot(self) -> tuple[float, float, float, float, tuple[float, float]]:
         return (
             time.monotonic(),
             cpu_seconds(self.online),
@@ -471,6 +477,9 @@ def main() -> None:
     parser.add_argument("--period", type=float, default=1.0, help="the QoS loop's period")
     parser.add_argument("--margin", type=float, default=0.1, help="the loop's cpu_margin")
     parser.add_argument("--squeeze", action="store_true", help="also run the memory squeeze")
+    parser.add_argument(
+        "--no-bandwidth-hog", action="store_true", help="best-effort runs CPU hogs only (no bandwidth hog)"
+    )
     parser.add_argument("--node-mib", type=int, default=1024, help="the squeezed node's memory")
     parser.add_argument("--grow-mib", type=int, default=16, help="the hog's growth per 0.1 s")
     parser.add_argument("--squeeze-seconds", type=float, default=45.0)
@@ -509,7 +518,8 @@ def main() -> None:
         bench = Bench(args, isolator, online, batch, port, pool)
         print(
             f"pool CPUs {sorted(pool)}; online: OIP worker (burstable, 1 CPU quota) at {args.rate:g} req/s "
-            f"open loop; best-effort: {len(pool)} CPU hogs + a memory-bandwidth hog; {args.rounds} "
+            f"open loop; best-effort: {len(pool)} CPU hogs"
+            f"{'' if args.no_bandwidth_hog else ' + a memory-bandwidth hog'}; {args.rounds} "
             f"interleaved rounds of {args.seconds:g} s; load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
@@ -550,7 +560,7 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
     alone = [percentile(r.latencies, 0.99) for r in results.get("alone", [])]
     print(
         f"\n{'scenario':<10}{'p50':>7}{'p99':>8}{'p99.9':>8}  p99/alone median [min-max]"
-        f"   best-effort / idle left [range] / truly idle   others' CPU   loop CPU/period"
+        f"   best-effort / idle left [range] / truly idle   others' CPU   loop CPU/period   steal"
     )
     for name, rounds in results.items():
         p50, p99, p999 = (
@@ -564,12 +574,14 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
             share = f"{statistics.median(shares):.0%} [{min(shares):.0%}-{max(shares):.0%}]"
             share += f" / {statistics.median(truly):.0%}" if truly else " / -"
         others = statistics.median(r.others / r.seconds for r in rounds)
+        steal = statistics.median(r.steal / r.seconds for r in rounds)
         periods = sum(r.loop_periods for r in rounds)
         loop_cpu = f"{sum(r.loop_busy for r in rounds) / periods * 1000:.2f} ms" if periods else "-"
         failures = sum(r.failures for r in rounds)
         print(
             f"{name:<10}{p50:>7.2f}{p99:>8.2f}{p999:>8.2f}  {statistics.median(ratios):.2f}x "
-            f"[{min(ratios):.2f}-{max(ratios):.2f}]      {share:<22}{others:>6.2f} CPUs   {loop_cpu}"
+            f"[{min(ratios):.2f}-{max(ratios):.2f}]      {share:<22}{others:>6.2f} CPUs   {loop_cpu:<8}"
+            f"{steal:>6.3f} CPUs"
             + (f"   ({failures} failed requests)" if failures else "")
         )
     per_round = {
