@@ -16,7 +16,9 @@ That is about two reads per slot and ten per host: tens of microseconds a period
 The actuator writes best-effort's cpuset limit and class quota through the isolator (which keeps
 the limit across its own pool updates), each slot's quota and memory.high (the soft limit on v1),
 and tends best-effort processes each period: ``oom_score_adj`` 1000 (the kernel's OOM killer takes
-them before any online process) and, where the host has resctrl, their small shared cache and
+them before any online process), ``SCHED_IDLE`` for their threads where the kernel has no
+``cpu.idle`` (before 5.15: the class parent then has only the least weight, which still takes its
+share when online work waits) and, where the host has resctrl, their small shared cache and
 bandwidth group. Evictions and restores are the agent's (they stop and start workers).
 """
 
@@ -36,7 +38,7 @@ from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
-from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us
+from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import SlotIsolator
 
@@ -247,6 +249,8 @@ class Actuator:
     """Carries out the kernel actions (everything but evict and restore) on best-effort slots.
 
     ``resctrl_group``: the name of best-effort's shared resctrl group, or None to leave resctrl be.
+    ``sched_idle``: put best-effort threads under SCHED_IDLE (None: where the best-effort class
+    parent has no ``cpu.idle``).
     """
 
     def __init__(
@@ -258,10 +262,16 @@ class Actuator:
         l3_share: float | None = None,
         mb_percent: int | None = None,
         proc_root: Path = Path("/proc"),
+        sched_idle: bool | None = None,
     ) -> None:
         self.isolator = isolator
         self.host = isolator.host
         self.hierarchy = isolator.hierarchy
+        if sched_idle is None:
+            cpu = self.host.v2_mount if self.host.mode == "v2" else self.host.v1_mounts.get("cpu")
+            idle_file = cgroupfs.join(self.hierarchy.class_parent("best-effort"), "cpu.idle")
+            sched_idle = cpu is not None and sched_idle_supported() and not cgroupfs.exists(cpu, idle_file)
+        self._sched_idle = sched_idle
         self._resctrl = resctrl
         self._resctrl_group = resctrl_group
         self._l3_share = l3_share
@@ -324,8 +334,8 @@ class Actuator:
         return self._resctrl_group
 
     def tend(self, slot_ids: Iterable[str]) -> int:
-        """Best-effort processes not seen before: oom_score_adj 1000, and into the resctrl group.
-        Returns how many were new."""
+        """Best-effort processes not seen before: oom_score_adj 1000, SCHED_IDLE where the kernel
+        has no cpu.idle, and into the resctrl group. Returns how many were new."""
         mount = self.host.v2_mount if self.host.mode == "v2" else self.host.v1_mounts.get("memory")
         if mount is None:
             return 0
@@ -343,11 +353,19 @@ class Actuator:
         # The process may exit between the listing and these writes: that is fine.
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             (self._proc_root / str(pid) / "oom_score_adj").write_text(str(OOM_SCORE_ADJ_BEST_EFFORT))
+        try:
+            threads = [int(t) for t in os.listdir(self._proc_root / str(pid) / "task")]
+        except FileNotFoundError:
+            return
+        if self._sched_idle:
+            # Per thread; threads and children made later inherit it from the thread that makes them.
+            for tid in threads:
+                try:
+                    set_sched_idle(tid)
+                except NodeAgentError as err:
+                    if getattr(err, "errno", None) != errno.ESRCH:
+                        log.warning("best-effort thread %d not put under SCHED_IDLE: %s", tid, err)
         if self._resctrl_ready and self._resctrl is not None and self._resctrl_group is not None:
-            try:
-                threads = [int(t) for t in os.listdir(self._proc_root / str(pid) / "task")]
-            except FileNotFoundError:
-                return
             try:
                 self._resctrl.assign_tasks(self._resctrl_group, threads)
             except NodeAgentError as err:

@@ -1,8 +1,15 @@
-"""The colocation sampler on fake /proc and cgroupfs trees (v1 and v2), and the parsers it uses."""
+"""The colocation sampler on fake /proc and cgroupfs trees (v1 and v2), the parsers it uses, and the
+actuator tending real processes listed in a fake tree."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -10,7 +17,13 @@ from nodeagent.cgroups import CgroupHost, Hierarchy
 from nodeagent.cgroups.pressure import parse_pressure, read_node_pressure
 from nodeagent.errors import CgroupError
 from nodeagent.isolation.colocation import GroupUsage, Stall
-from nodeagent.isolation.colocation_kernel import Sampler, SlotInfo, parse_meminfo, parse_proc_stat
+from nodeagent.isolation.colocation_kernel import (
+    Actuator,
+    Sampler,
+    SlotInfo,
+    parse_meminfo,
+    parse_proc_stat,
+)
 from tests.trees import write_tree
 
 F = frozenset
@@ -149,3 +162,37 @@ def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
     assert sample.best_effort_cpu_ns == 456
     (slot,) = sample.best_effort
     assert slot.usage == GroupUsage(None, None, None)  # e1 was released between listing and reading
+
+
+def _fake_isolator(host: CgroupHost) -> Any:
+    """What the actuator reads of an isolator when it only tends processes."""
+    return SimpleNamespace(host=host, hierarchy=Hierarchy(PARENT))
+
+
+@pytest.mark.parametrize("has_cpu_idle", [False, True], ids=["no-cpu-idle", "cpu-idle"])
+def test_tend_puts_best_effort_threads_under_sched_idle_where_the_kernel_has_no_cpu_idle(
+    tmp_path: Path, has_cpu_idle: bool
+) -> None:
+    script = "import threading, time\nthreading.Thread(target=time.sleep, args=(30,)).start()\n"
+    script += "time.sleep(30)\n"
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        task = Path(f"/proc/{child.pid}/task")
+        deadline = time.monotonic() + 10
+        while len(os.listdir(task)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        files = {f"memory/{PARENT}/best-effort/e1/cgroup.procs": f"{child.pid}\n"}
+        files[f"cpu/{PARENT}/best-effort/cpu.shares"] = "2\n"
+        if has_cpu_idle:
+            files[f"cpu/{PARENT}/best-effort/cpu.idle"] = "1\n"
+        write_tree(tmp_path, files)
+        host = CgroupHost(mode="v1", v1_mounts={"memory": tmp_path / "memory", "cpu": tmp_path / "cpu"})
+        actuator = Actuator(_fake_isolator(host))
+        assert actuator.tend(["e1"]) == 1
+        policies = {os.sched_getscheduler(int(tid)) for tid in os.listdir(task)}
+        assert policies == ({os.SCHED_OTHER} if has_cpu_idle else {os.SCHED_IDLE})
+        assert Path(f"/proc/{child.pid}/oom_score_adj").read_text().strip() == "1000"
+        assert actuator.tend(["e1"]) == 0  # each process once
+    finally:
+        child.kill()  # our own child, by pid
+        child.wait()
