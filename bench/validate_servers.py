@@ -174,7 +174,7 @@ def main() -> None:
     print(table(results))
     for r in results:
         if r.versions:
-            wanted = ("nvidia-pytriton", "torchserve", "torch-model-archiver", "numpy")
+            wanted = ("nvidia-pytriton", "torchserve", "torch-model-archiver", "torch", "numpy")
             shown = {k: v for k, v in r.versions.items() if k.lower() in wanted}
             print(f"\n{r.server}: installed in {r.install_s:.0f} s; {shown}")
         if r.note:

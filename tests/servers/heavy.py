@@ -87,6 +87,7 @@ def build_triton(base: Path) -> Case:
     model = base / "models" / "doubler"
     (model / "1").mkdir(parents=True, exist_ok=True)
     shutil.copy(HERE / "triton_model.py", model / "1" / "model.py")
+    (model / "config.pbtxt").write_text(TRITON_CONFIG)
     # The Python backend's stub embeds one Python version; the bundle has one per version, which
     # PyTriton puts in backends/python/ (where the backend looks for it; not the model's directory)
     # of a copy of the bundle before it starts Triton. This venv's bundle is ours: put it there.
