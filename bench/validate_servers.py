@@ -164,7 +164,9 @@ def main() -> None:
     unknown = set(chosen) - set(SERVERS)
     if unknown:
         raise SystemExit(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
-    # SIGTERM cleans up as Ctrl-C does (the finally blocks remove what was made).
+    # Ctrl-C and SIGTERM clean up (the finally blocks remove what was made), also when started
+    # with SIGINT ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     keep = args.keep_venvs.resolve() if args.keep_venvs else None
     results = []
