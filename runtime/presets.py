@@ -49,7 +49,7 @@ class Preset:
     #: a Python file of the user's, say), followed by ``args``.
     program: tuple[str, ...]
     ports: tuple[PresetPort, ...]
-    #: Readiness path when the model is known, and when it is not; the port the probes check.
+    #: Readiness path when the model is known, and when it is not; the liveness path.
     model_ready_path: str
     server_ready_path: str
     live_path: str
@@ -57,7 +57,11 @@ class Preset:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     files: tuple[tuple[str, str], ...] = ()
+    #: The port the model's readiness probe checks.
     probe_port: str = "http"
+    #: The port of the server's own health path (readiness without a model, liveness) when it is
+    #: not ``probe_port`` (TorchServe: /ping is on the inference port, not the management one).
+    health_port: str | None = None
     #: What the model's readiness answer holds (JSON field, value), when its status is not enough.
     model_ready_json: tuple[str, str] | None = None
     #: The server's backends next to its program (Triton: <prefix>/bin/tritonserver and
@@ -67,12 +71,17 @@ class Preset:
 
 #: TorchServe reads its addresses only from a properties file; this one is written for each start.
 #: 0.0.0.0: the slot's network namespace, when it has one, is what keeps the ports off the host's
-#: interfaces, and the agent's probes reach the slot's address. -XX:-UsePerfData: no
-#: /tmp/hsperfdata_<user>.
+#: interfaces, and the agent's probes reach the slot's address. Its two gRPC servers too: left
+#: out, they bind 7070 and 7071 and a second TorchServe on the host fails to start.
+#: -XX:-UsePerfData: no /tmp/hsperfdata_<user>.
 TORCHSERVE_PROPERTIES = """\
 inference_address=http://0.0.0.0:{port:http}
 management_address=http://0.0.0.0:{port:management}
 metrics_address=http://0.0.0.0:{port:metrics}
+grpc_inference_address=0.0.0.0
+grpc_inference_port={port:grpc}
+grpc_management_address=0.0.0.0
+grpc_management_port={port:grpc_management}
 number_of_netty_threads={threads}
 netty_client_threads={threads}
 default_workers_per_model=1
@@ -87,9 +96,12 @@ PRESETS: dict[str, Preset] = {
             "--http-port={port:http}",
             "--grpc-port={port:grpc}",
             "--metrics-port={port:metrics}",
-            # Triton's HTTP front end and model loads sized to the slot, not to the host.
+            # Triton's HTTP front end and model loads sized to the slot, not to the host; and the
+            # Python backend's request pool (32 threads by default, per model instance: 52 threads
+            # for one tiny model in a 1-CPU slot, 21 with this; ignored when no model uses it).
             "--http-thread-count={threads}",
             "--model-load-thread-count={threads}",
+            "--backend-config=python,thread-pool-size={threads}",
         ),
         ports=(
             PresetPort("http", "http", 8000),
@@ -116,6 +128,8 @@ PRESETS: dict[str, Preset] = {
             PresetPort("http", "http", 8080),
             PresetPort("management", "http", 8081),
             PresetPort("metrics", "http", 8082),
+            PresetPort("grpc", "grpc", 7070),
+            PresetPort("grpc_management", "grpc", 7071),
         ),
         files=(("config.properties", TORCHSERVE_PROPERTIES),),
         # /ping answers before the model can serve; the management API says per model.
@@ -124,6 +138,7 @@ PRESETS: dict[str, Preset] = {
         server_ready_path="/ping",
         live_path="/ping",
         probe_port="management",
+        health_port="http",
     ),
     "tfserving": Preset(
         program=(
@@ -257,9 +272,13 @@ def _locate(command: tuple[str, ...], spec: WorkerSpec, find: FindProgram) -> st
     return found
 
 
+def _health_port(preset: Preset) -> str:
+    return preset.health_port or preset.probe_port
+
+
 def _ready_probe(preset: Preset, spec: WorkerSpec) -> Probe:
     if spec.model_name is None:
-        check = HttpCheck(port=preset.probe_port, path=_fill(preset.server_ready_path, spec))
+        check = HttpCheck(port=_health_port(preset), path=_fill(preset.server_ready_path, spec))
         return Probe(http=check, period_seconds=2.0)
     body = None
     if preset.model_ready_json is not None:
@@ -309,10 +328,10 @@ def resolve(
     if preset is not None:
         update["env"] = {**{k: _fill(v, spec) for k, v in preset.env}, **spec.env}
         update["files"] = {**{k: _fill(v, spec) for k, v in preset.files}, **spec.files}
-        if preset.probe_port in numbers:
+        if preset.probe_port in numbers and _health_port(preset) in numbers:
             update["readiness"] = spec.readiness or _ready_probe(preset, spec)
             update["liveness"] = spec.liveness or Probe(
-                http=HttpCheck(port=preset.probe_port, path=_fill(preset.live_path, spec)),
+                http=HttpCheck(port=_health_port(preset), path=_fill(preset.live_path, spec)),
                 period_seconds=10.0,
                 # Model servers load weights before they answer; do not kill them for being slow to start.
                 initial_delay_seconds=30.0,

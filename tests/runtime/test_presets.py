@@ -16,7 +16,7 @@ from nodeagent.runtime.launch import SlotBinding, build_launch_request
 from nodeagent.runtime.presets import find_program, resolve
 from nodeagent.schema.worker import WorkerSpec, parse_worker_spec
 
-PORTS = {"http": 21000, "grpc": 21001, "metrics": 21002, "management": 21003}
+PORTS = {"http": 21000, "grpc": 21001, "metrics": 21002, "management": 21003, "grpc_management": 21004}
 
 
 def spec_of(**raw: Any) -> WorkerSpec:
@@ -53,6 +53,7 @@ def test_triton_runs_on_its_ports_sized_to_the_slot_with_its_backends(tmp_path: 
     assert f"--backend-directory={prefix / 'backends'}" in run.command
     flags = ("--http-port=21000", "--grpc-port=21001", "--metrics-port=21002")
     assert "--http-thread-count={threads}" in run.command
+    assert "--backend-config=python,thread-pool-size={threads}" in run.command
     for flag in flags:
         assert flag in run.command
     assert run.env["PATH"] == f"{prefix / 'bin'}:{DEFAULT_PATH}"
@@ -92,6 +93,9 @@ def test_torchserve_gets_a_config_file_with_its_ports_and_probes_the_models_stat
     assert "inference_address=http://0.0.0.0:21000" in properties
     assert "management_address=http://0.0.0.0:21003" in properties
     assert "metrics_address=http://0.0.0.0:21002" in properties
+    # Its gRPC servers on the slot's ports too (not 7070/7071, which a second TorchServe also takes).
+    assert "grpc_inference_port=21001" in properties
+    assert "grpc_management_port=21004" in properties
     assert "number_of_netty_threads={threads}" in properties  # filled in at launch
     ready = run.readiness
     assert ready is not None
@@ -99,6 +103,11 @@ def test_torchserve_gets_a_config_file_with_its_ports_and_probes_the_models_stat
     assert (ready.http.port, ready.http.path) == (21003, "/models/bert")
     assert ready.http.body is not None
     assert (ready.http.body.json_field, ready.http.body.equals) == ("0.workers.0.status", "READY")
+    # /ping is on the inference port: the management port answers it 404.
+    live = run.liveness
+    assert live is not None
+    assert live.http is not None
+    assert (live.http.port, live.http.path) == (21000, "/ping")
 
 
 def test_tfserving_sizes_its_thread_pools_and_waits_for_an_available_version() -> None:
