@@ -353,6 +353,10 @@ class Actuator:
         # The process may exit between the listing and these writes: that is fine.
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             (self._proc_root / str(pid) / "oom_score_adj").write_text(str(OOM_SCORE_ADJ_BEST_EFFORT))
+        resctrl = self._resctrl if self._resctrl_ready else None
+        group = self._resctrl_group
+        if not self._sched_idle and (resctrl is None or group is None):
+            return
         try:
             threads = [int(t) for t in os.listdir(self._proc_root / str(pid) / "task")]
         except FileNotFoundError:
@@ -365,9 +369,9 @@ class Actuator:
                 except NodeAgentError as err:
                     if getattr(err, "errno", None) != errno.ESRCH:
                         log.warning("best-effort thread %d not put under SCHED_IDLE: %s", tid, err)
-        if self._resctrl_ready and self._resctrl is not None and self._resctrl_group is not None:
+        if resctrl is not None and group is not None:
             try:
-                self._resctrl.assign_tasks(self._resctrl_group, threads)
+                resctrl.assign_tasks(group, threads)
             except NodeAgentError as err:
                 if getattr(err, "errno", None) not in (errno.ESRCH, errno.ENOENT):
                     log.warning("best-effort pid %d not moved into resctrl group: %s", pid, err)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from nodeagent.errors import ConfigError
 
@@ -20,15 +20,7 @@ ActionKind = Literal[
     "evict",
     "restore",
 ]
-ACTION_KINDS: tuple[ActionKind, ...] = (
-    "cpu_suppress",
-    "cpu_release",
-    "slot_cpu_quota",
-    "memory_throttle",
-    "memory_unthrottle",
-    "evict",
-    "restore",
-)
+ACTION_KINDS: tuple[ActionKind, ...] = get_args(ActionKind)
 PressureResource = Literal["cpu", "memory", "io"]
 
 

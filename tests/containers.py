@@ -17,6 +17,7 @@ import subprocess
 import tarfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.daemon import build_isolation
@@ -98,6 +99,23 @@ def remove_image(tag: str) -> None:
     podman = shutil.which("podman")
     if podman is not None:
         subprocess.run([podman, "rmi", "--force", tag], capture_output=True, timeout=120, check=False)
+
+
+def device_httpd_request(image: str, port: int, *, period: float, grace: float) -> dict[str, Any]:
+    """A guaranteed slot "ctr" holding ALLOWED whose container reads the device (printing
+    "device-ok"), then serves /www on ``port``, ready when /ready answers."""
+    script = f"dd if={ALLOWED} of=/dev/null count=0 && echo device-ok; exec httpd -f -p {port} -h /www"
+    return {
+        "name": "ctr",
+        "qos": "guaranteed",
+        "resources": {"cpus": 1, "memory": "256Mi", "devices": [ALLOWED]},
+        "worker": {
+            "container": {"image": image, "command": ["/bin/sh", "-c", script], "read_only": True},
+            "readiness": {"http": {"port": port, "path": "/ready"}, "period_seconds": period},
+            "restart": "on-failure",
+            "stop_grace_seconds": grace,
+        },
+    }
 
 
 def missing_for_containers() -> str | None:

@@ -9,7 +9,7 @@ The daemon, its cgroup parent and the clean-up are test_e2e's (names carry "nate
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,31 +21,27 @@ from tests.agent.test_e2e import (
     MODEL,
     REPO,
     Daemon,
-    clean_up,
-    parent_dirs,
     proc_environ,
     process_gone,
     wait_for_phase,
 )
 from tests.daemon import wait_until
+from tests.servers.lifecycle import first_port, remove_daemon, server_daemon
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 #: A range of this run's own (20000-29999 is the default range): 100 ports from a base by pid.
-FIRST = 20000 + (os.getpid() % 99) * 100
+FIRST = first_port()
 LAST = FIRST + 99
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Any:
-    d = Daemon(tmp_path)
-    text = d.config.read_text().replace("[workers]\n", f'[workers]\nport_range = "{FIRST}-{LAST}"\n')
-    d.config.write_text(text)
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = server_daemon(tmp_path)
     try:
         yield d
     finally:
-        clean_up(d)
-    assert not parent_dirs(), f"could not remove the test cgroups {sorted(map(str, parent_dirs()))}"
+        remove_daemon(d)
 
 
 def request(name: str, python: str, **port: Any) -> dict[str, Any]:

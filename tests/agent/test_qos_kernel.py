@@ -69,6 +69,11 @@ def make_loop(config: AgentConfig, manager: SlotManager, machine: SimulatedMachi
     return loop
 
 
+def worker_phase(manager: SlotManager, name: str) -> str | None:
+    worker = manager.get_slot(name).worker
+    return None if worker is None else worker.phase
+
+
 def run_until(
     loop: QosLoop, manager: SlotManager, machine: SimulatedMachine, check, limit: int = 120
 ) -> None:  # type: ignore[no-untyped-def]
@@ -147,10 +152,7 @@ def test_evicted_worker_is_stopped_then_restarted_and_online_is_untouched(
             loop,
             manager,
             machine,
-            lambda: (
-                manager.get_slot("batch").worker is not None
-                and manager.get_slot("batch").worker.phase == "stopped"
-            ),  # type: ignore[union-attr]
+            lambda: worker_phase(manager, "batch") == "stopped",
             limit=60,
         )
         assert not open_manager(detect(), batch.cgroup).subtree_pids()
@@ -164,10 +166,7 @@ def test_evicted_worker_is_stopped_then_restarted_and_online_is_untouched(
             loop,
             manager,
             machine,
-            lambda: (
-                manager.get_slot("batch").worker is not None
-                and manager.get_slot("batch").worker.phase == "running"
-            ),  # type: ignore[union-attr]
+            lambda: worker_phase(manager, "batch") == "running",
             limit=40,
         )
         assert not manager.get_slot("batch").qos_evicted

@@ -27,6 +27,7 @@ from tests.containers import (
     OTHER,
     build_image,
     container_daemon,
+    device_httpd_request,
     missing_for_containers,
     remove_image,
 )
@@ -125,18 +126,7 @@ for path in sys.argv[2:]:
 def test_a_container_worker_lives_in_its_slot_and_leaves_nothing(daemon: DaemonProcess, image: str) -> None:
     client = daemon.start()
     port = free_port()
-    script = f"dd if={ALLOWED} of=/dev/null count=0 && echo device-ok; exec httpd -f -p {port} -h /www"
-    request = {
-        "name": "ctr",
-        "qos": "guaranteed",
-        "resources": {"cpus": 1, "memory": "256Mi", "devices": [ALLOWED]},
-        "worker": {
-            "container": {"image": image, "command": ["/bin/sh", "-c", script], "read_only": True},
-            "readiness": {"http": {"port": port, "path": "/ready"}, "period_seconds": 0.2},
-            "restart": "on-failure",
-            "stop_grace_seconds": 5,
-        },
-    }
+    request = device_httpd_request(image, port, period=0.2, grace=5)
     created = client.post("/v1/slots", json=request)
     assert created.status_code == 201, created.text
     slot = wait_for_phase(client, "ctr", "running", "failed")

@@ -32,6 +32,7 @@ from tests.containers import (
     OTHER,
     build_image,
     container_daemon,
+    device_httpd_request,
     missing_for_containers,
     remove_image,
 )
@@ -122,18 +123,7 @@ def test_a_v2_container_worker_lives_below_its_slot_and_leaves_nothing(
 ) -> None:
     client = daemon.start(timeout=SLOW)
     port = free_port()
-    script = f"dd if={ALLOWED} of=/dev/null count=0 && echo device-ok; exec httpd -f -p {port} -h /www"
-    request = {
-        "name": "ctr",
-        "qos": "guaranteed",
-        "resources": {"cpus": 1, "memory": "256Mi", "devices": [ALLOWED]},
-        "worker": {
-            "container": {"image": image, "command": ["/bin/sh", "-c", script], "read_only": True},
-            "readiness": {"http": {"port": port, "path": "/ready"}, "period_seconds": 0.5},
-            "restart": "on-failure",
-            "stop_grace_seconds": 10,
-        },
-    }
+    request = device_httpd_request(image, port, period=0.5, grace=10)
     created = client.post("/v1/slots", json=request)
     assert created.status_code == 201, (created.text, daemon.log_tail())
     slot = wait_for_phase(client, "ctr", "running", "failed", timeout=SLOW)
