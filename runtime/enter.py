@@ -31,6 +31,7 @@ from typing import NoReturn
 from nodeagent.runtime import sandbox
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, read_oom_kills
 from nodeagent.runtime.request import LaunchRequest, joined_procs
+from nodeagent.runtime.sandbox.mounts import DEV_SHM, TMP
 
 CLONE_NEWNET = 0x40000000
 PR_SET_NO_NEW_PRIVS = 38
@@ -220,9 +221,9 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
             set_oom_score_adj(req.oom_score_adj)
         # Counted here, inside the slot, and before a sandbox changes what /sys/fs/cgroup shows.
         oom_kills = read_oom_kills(req.oom_events)
-        argv = req.argv
+        argv, program_fd = req.argv, None
         if req.sandbox is not None:
-            argv = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd))
+            argv, program_fd = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd))
             trace.stamp(req.launch_id, "child-sandboxed")
         step = "set uid/gid/groups"
         drop_privileges(req.uid, req.gid, req.groups)
@@ -241,6 +242,8 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
         step = f"exec {argv[0]}"
         trace.stamp(req.launch_id, "child-exec")
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        if program_fd is not None:
+            os.execve(program_fd, list(argv), req.env)  # noqa: S606 - the init, opened before the mounts
         os.execvpe(argv[0], list(argv), req.env)  # noqa: S606 - argv, never a shell line
     except sandbox.SandboxStepError as err:
         # Its message starts with the step already; keep the kernel's words only.
@@ -254,17 +257,36 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
                 f"{err.strerror}: the worker runs as uid {req.sandbox.uid}, which must be able to read "
                 "it and search every directory above it",
             )
+        elif err.errno == errno.ENOENT and req.sandbox is not None and step.startswith(("exec", "chdir")):
+            replaced = _replaced_by(req.sandbox, (argv[0] if step.startswith("exec") else req.cwd) or "")
+            if replaced is not None:
+                err = OSError(
+                    err.errno,
+                    f"{err.strerror}: it lies under {replaced}, which the sandbox replaces with the slot's "
+                    "own; install the worker's files elsewhere (/opt, /srv, /var/tmp)",
+                )
         raise _StepFailed(step, err) from err
+
+
+def _replaced_by(spec: sandbox.SandboxSpec, path: str) -> str | None:
+    """The directory the sandbox mounts its own tmpfs on that holds ``path`` (None: none)."""
+    for where, size in ((TMP, spec.tmp_bytes), (DEV_SHM, spec.shm_bytes)):
+        if size is not None and (path == where or path.startswith(where + "/")):
+            return where
+    return None
 
 
 def _enter_sandbox(
     req: LaunchRequest, spec: sandbox.SandboxSpec, reports: tuple[int, int]
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, ...], int | None]:
     """The sandbox's steps before the identity switch; returns the argv to exec (through the
-    namespace's init when the worker has a pid namespace of its own)."""
+    namespace's init when the worker has a pid namespace of its own, with the init opened before
+    the mounts: the agent's own init may lie under a path the sandbox replaces, /tmp say)."""
     if req.join is None:
+        init = spec.init if "pid" in spec.namespaces else None
+        init_fd = os.open(init, os.O_RDONLY | os.O_CLOEXEC) if init else None
         sandbox.enter_sandbox(spec)
-        return sandbox.init_argv(spec.init, req.argv) if "pid" in spec.namespaces and spec.init else req.argv
+        return (sandbox.init_argv(init, req.argv), init_fd) if init else (req.argv, None)
     pidfd = open_verified_pidfd(ProcessIdentity(*req.join))
     if pidfd is None:
         raise sandbox.SandboxStepError(
@@ -276,7 +298,7 @@ def _enter_sandbox(
         os.close(pidfd)
     if "pid" in spec.namespaces:
         _fork_into_joined_pid_namespace(reports)
-    return req.argv
+    return req.argv, None
 
 
 def _fork_into_joined_pid_namespace(reports: tuple[int, int]) -> None:

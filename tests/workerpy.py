@@ -9,6 +9,7 @@ the server needs installed by this run's pip, and remove it at the end of the se
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import stat
@@ -19,6 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+#: Where the sandbox puts a slot's own tmpfs: a host file there is not what a worker sees.
+REPLACED_BY_SANDBOX = ("/tmp", "/dev/shm")
+_copies: dict[Path, Path] = {}
 
 #: System interpreters a non-root user can run, most likely first.
 CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
@@ -42,6 +47,23 @@ def world_python() -> str:
         if usable_by_others(candidate):
             return candidate
     pytest.fail(f"no Python interpreter usable by an unprivileged uid among {', '.join(CANDIDATES)}")
+
+
+def worker_visible(path: Path) -> str:
+    """``path`` as a sandboxed worker can open it: itself, or, when this checkout lies under /tmp or
+    /dev/shm (which the sandbox replaces with the slot's own), a world-readable copy in /var/tmp
+    (removed when the test process exits)."""
+    real = path.resolve()
+    if not any(real.is_relative_to(hidden) for hidden in REPLACED_BY_SANDBOX):
+        return str(real)
+    if real not in _copies:
+        base = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-files-", dir="/var/tmp"))
+        base.chmod(0o755)
+        atexit.register(shutil.rmtree, base, True)
+        _copies[real] = base / real.name
+        shutil.copy(real, _copies[real])
+        _copies[real].chmod(0o644)
+    return str(_copies[real])
 
 
 def make_venv(where: Path, packages: list[str], timeout: float = 900) -> Path:

@@ -29,6 +29,7 @@ import pytest
 from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
 from tests.daemon import DaemonProcess, free_port, wait_until
+from tests.workerpy import worker_visible
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -183,7 +184,7 @@ def worker_request(name: str, port: int, python: str) -> dict[str, Any]:
         "qos": "guaranteed",
         "resources": {"cpus": 1, "memory": "256Mi"},
         "worker": {
-            "command": [python, str(REPO / "examples" / "oip_worker.py"), "--port", str(port)],
+            "command": [python, worker_visible(REPO / "examples" / "oip_worker.py"), "--port", str(port)],
             "readiness": {"http": {"port": port, "path": f"/v2/models/{MODEL}/ready"}, "period_seconds": 0.2},
             "restart": "on-failure",
             "stop_grace_seconds": 10,

@@ -27,6 +27,7 @@ from tests.agent.test_e2e import (
 )
 from tests.daemon import wait_until
 from tests.servers.lifecycle import first_port, remove_daemon, server_daemon
+from tests.workerpy import worker_visible
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -51,7 +52,7 @@ def request(name: str, python: str, **port: Any) -> dict[str, Any]:
         "qos": "burstable",
         "resources": {"cpus": 0.2, "memory": "256Mi"},
         "worker": {
-            "command": [python, str(REPO / "examples" / "oip_worker.py"), "--port", "{port:http}"],
+            "command": [python, worker_visible(REPO / "examples" / "oip_worker.py"), "--port", "{port:http}"],
             "ports": {"http": port},
             "readiness": {
                 "http": {"port": "http", "path": f"/v2/models/{MODEL}/ready"},

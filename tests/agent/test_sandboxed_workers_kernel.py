@@ -286,3 +286,35 @@ def test_mlserver_serves_sandboxed(manager: tuple[SlotManager, AgentConfig], mls
     assert answer.status_code == 200, answer.text
     assert answer.json()["outputs"][0]["data"] == [2.0, 5.0, -8.0]
     slots.release(slot.id)
+
+
+def test_a_program_under_the_hosts_tmp_fails_saying_why(manager: tuple[SlotManager, AgentConfig]) -> None:
+    """The sandbox gives the slot its own /tmp: a program in the host's is not there, and the
+    failure says so rather than a bare "No such file or directory"."""
+    slots, _ = manager
+    program = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-", dir="/tmp")) / "serve"
+    try:
+        program.parent.chmod(0o755)
+        shutil.copy("/bin/true", program)
+        program.chmod(0o755)
+        slot = slots.allocate(
+            parse_slot_request(
+                {
+                    "name": "in-tmp",
+                    "qos": "burstable",
+                    "resources": {"cpus": 0.2, "memory": "64Mi"},
+                    "worker": {"command": [str(program)], "restart": "never", "stop_grace_seconds": 1},
+                }
+            )
+        ).slot
+        deadline = time.monotonic() + 30
+        worker = slots.get_slot(slot.id).worker
+        while (worker is None or worker.phase != "failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            worker = slots.get_slot(slot.id).worker
+        assert worker is not None
+        assert worker.phase == "failed"
+        said = f"{worker.message}\n{slots.logs(slot.id, 20)}"
+        assert "lies under /tmp, which the sandbox replaces with the slot's own" in said, said
+    finally:
+        shutil.rmtree(program.parent, ignore_errors=True)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.agent.test_e2e import REPO, Daemon, daemon, process_gone, wait_for_phase
 from tests.daemon import wait_until
+from tests.workerpy import worker_visible
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -35,7 +36,7 @@ def test_a_graceful_stop_drains_runs_pre_stop_and_signals_the_whole_slot(
         "qos": "burstable",
         "resources": {"cpus": 0.2, "memory": "128Mi"},
         "worker": {
-            "command": [worker_python, str(WORKER), "--port", "{port:http}"],
+            "command": [worker_python, worker_visible(WORKER), "--port", "{port:http}"],
             "ports": {"http": {}},
             "readiness": {"http": {"port": "http", "path": "/ready"}, "period_seconds": 0.2},
             "stop_signal": "SIGINT",

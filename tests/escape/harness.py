@@ -30,7 +30,7 @@ from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
 from nodeagent.schema.request import parse_slot_request
-from tests.workerpy import world_python
+from tests.workerpy import worker_visible, world_python
 
 ATTEMPTS = Path(__file__).with_name("attempts.py")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -232,7 +232,9 @@ def start_slots(cfg: AgentConfig, *, network: bool, litter: str, host_port: int)
                 "qos": "guaranteed",
                 "resources": escaper_cpus,
                 "worker": {
-                    "command": [python, "-I", str(ATTEMPTS), json.dumps({**targets, "allowed_cpus": []})],
+                    "command": [
+                        python, "-I", worker_visible(ATTEMPTS), json.dumps({**targets, "allowed_cpus": []})
+                    ],
                     "stop_grace_seconds": 1,
                     "restart": "never",
                 },
