@@ -131,17 +131,20 @@ def start(
             if before is not None:
                 before()
             final = list(argv)
+            program: str | int = final[0]
             if spec is not None:
+                if spec.init is not None and in_pid_ns:
+                    # As the agent does: opened before the mounts (the init may lie under /tmp).
+                    final = list(init_argv(spec.init, argv))
+                    program = os.open(spec.init, os.O_RDONLY | os.O_CLOEXEC)
                 enter_sandbox(spec)
                 switch_user(spec)
                 seal_sandbox(spec)
-                if spec.init is not None and in_pid_ns:
-                    final = list(init_argv(spec.init, argv))
             elif user is not None:
                 os.setgroups([])
                 os.setgid(user)
                 os.setuid(user)
-            os.execve(final[0], final, env if env is not None else ENV)
+            os.execve(program, final, env if env is not None else ENV)
         except BaseException as err:  # noqa: BLE001 - a forked child must never return into pytest
             with contextlib.suppress(OSError):
                 os.write(2, f"sandbox child failed: {err!r}\n".encode())
