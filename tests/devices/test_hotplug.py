@@ -324,7 +324,7 @@ def test_thread_delivers_events_and_stops_cleanly(veth_names):
         f"/sys/devices/virtual/net/{b}",
     ]
     assert monitor.closed
-    assert set(threading.enumerate()) == threads_before
+    assert not set(threading.enumerate()) - threads_before  # an earlier test's thread may end meanwhile
     assert not _leaked(fds_before)
 
 
