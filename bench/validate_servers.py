@@ -32,6 +32,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
 
@@ -99,9 +102,7 @@ def validate(server: str, keep: Path | None) -> Result:
             result.checks = dict.fromkeys(STEPS, "not installable")
             result.note = str(err)
             return result
-        except BaseException as err:  # make_venv fails the way pytest does
-            if isinstance(err, KeyboardInterrupt):
-                raise
+        except (OSError, subprocess.SubprocessError, pytest.fail.Exception) as err:  # make_venv: pytest.fail
             result.checks = dict.fromkeys(STEPS, "not installable")
             result.note = f"install failed: {type(err).__name__}: {str(err)[-1500:]}"
             return result

@@ -40,7 +40,7 @@ from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import SlotIsolator
+from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
 
 log = logging.getLogger(__name__)
 
@@ -268,9 +268,9 @@ class Actuator:
         self.host = isolator.host
         self.hierarchy = isolator.hierarchy
         if sched_idle is None:
-            cpu = self.host.v2_mount if self.host.mode == "v2" else self.host.v1_mounts.get("cpu")
-            idle_file = cgroupfs.join(self.hierarchy.class_parent("best-effort"), "cpu.idle")
-            sched_idle = cpu is not None and sched_idle_supported() and not cgroupfs.exists(cpu, idle_file)
+            # What the isolator decided for the slots (their AppliedSlot.sched_idle), carried out here.
+            has_cpu_idle = class_has_cpu_idle(self.host, self.hierarchy, "best-effort")
+            sched_idle = sched_idle_supported() and not has_cpu_idle
         self._sched_idle = sched_idle
         self._resctrl = resctrl
         self._resctrl_group = resctrl_group

@@ -35,6 +35,7 @@ from nodeagent.cgroups import (
     CgroupHost,
     CgroupLimits,
     CgroupManager,
+    Hierarchy,
     QosClass,
     apply_device_rules,
     ensure_parents,
@@ -61,7 +62,14 @@ from nodeagent.isolation.network import (
     plan_slot_network,
     validate_slot_id,
 )
-from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosParameters, qos_parameters, quota_us
+from nodeagent.isolation.qos import (
+    QOS_CLASSES,
+    QosClassName,
+    QosParameters,
+    cpu_idle_supported,
+    qos_parameters,
+    quota_us,
+)
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
@@ -515,12 +523,11 @@ class SlotIsolator:
                 )
 
     def _parameters(self, spec: SlotIsolationSpec) -> QosParameters:
-        class_parent = open_manager(self.host, self.hierarchy.class_parent(spec.qos))
         return qos_parameters(
             spec.qos,
             cpus=slot_cpu_request(spec),
             memory_bytes=spec.memory_bytes,
-            cpu_idle_available=_has_file(class_parent, "cpu", "cpu.idle"),
+            cpu_idle_available=class_has_cpu_idle(self.host, self.hierarchy, spec.qos),
             defaults=self.config.qos,
         )
 
@@ -643,6 +650,14 @@ def _controller_dir(manager: CgroupManager, controller: str) -> Path | None:
 def _has_file(manager: CgroupManager, controller: str, name: str) -> bool:
     directory = _controller_dir(manager, controller)
     return directory is not None and (directory / name).is_file()
+
+
+def class_has_cpu_idle(host: CgroupHost, hierarchy: Hierarchy, qos: QosClass) -> bool:
+    """Whether the class parent of ``qos`` offers ``cpu.idle`` (Linux 5.15+). Where it does not,
+    best-effort processes run under SCHED_IDLE instead (the slot's ``sched_idle``, which the
+    colocation actuator applies as it tends them)."""
+    directory = _controller_dir(open_manager(host, hierarchy.class_parent(qos)), "cpu")
+    return directory is not None and cpu_idle_supported(directory)
 
 
 def _swap_limit_supported(manager: CgroupManager) -> bool:

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.runtime.sandbox.mounts import DEV_SHM, TMP
+
 #: Where the sandbox puts a slot's own tmpfs: a host file there is not what a worker sees.
-REPLACED_BY_SANDBOX = ("/tmp", "/dev/shm")
+REPLACED_BY_SANDBOX = (TMP, DEV_SHM)
 _copies: dict[Path, Path] = {}
 
 #: System interpreters a non-root user can run, most likely first.

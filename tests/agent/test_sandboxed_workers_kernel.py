@@ -28,7 +28,9 @@ from nodeagent.devices.discovery import discover
 from nodeagent.errors import NotFound
 from nodeagent.runtime.sandbox import probe
 from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES, capability_mask
+from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request
+from tests.daemon import wait_until
 from tests.escape.harness import config_for, free_port, tear_down
 from tests.workerpy import make_venv, world_python
 
@@ -307,13 +309,12 @@ def test_a_program_under_the_hosts_tmp_fails_saying_why(manager: tuple[SlotManag
                 }
             )
         ).slot
-        deadline = time.monotonic() + 30
-        worker = slots.get_slot(slot.id).worker
-        while (worker is None or worker.phase != "failed") and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+        def failed() -> WorkerStatus | None:
             worker = slots.get_slot(slot.id).worker
-        assert worker is not None
-        assert worker.phase == "failed"
+            return worker if worker is not None and worker.phase == "failed" else None
+
+        worker = wait_until("the worker to fail", failed, 30)
         said = f"{worker.message}\n{slots.logs(slot.id, 20)}"
         assert "lies under /tmp, which the sandbox replaces with the slot's own" in said, said
     finally:

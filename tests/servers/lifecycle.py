@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from nodeagent.runtime.ports import in_use_on_host
 from tests.agent.test_e2e import Daemon, clean_up, parent_dirs
@@ -134,31 +135,27 @@ def uid_of(pid: int) -> int:
     return Path(f"/proc/{pid}").stat().st_uid
 
 
+def _live_processes_of(uid: int, attrs: list[str]) -> list[dict[str, Any]]:
+    """psutil's ``attrs`` of every live (not zombie) process whose effective uid is ``uid``."""
+    found = []
+    for process in psutil.process_iter(["uids", "status", *attrs]):
+        uids, status = process.info["uids"], process.info["status"]
+        if uids is not None and uids.effective == uid and status != psutil.STATUS_ZOMBIE:
+            found.append(process.info)
+    return found
+
+
 def processes_of(uid: int) -> set[int]:
     """Every process running as ``uid`` (a slot's own: only its worker's tree has it)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid and "State:\tZ" not in (entry / "status").read_text():
-                    found.add(int(entry.name))
-            except OSError:
-                continue
-    return found
+    return {info["pid"] for info in _live_processes_of(uid, ["pid"])}
 
 
 def threads_of(uid: int) -> dict[str, int]:
     """Threads of ``uid``'s processes, by program name (several processes of one name add up)."""
     counts: dict[str, int] = {}
-    for pid in processes_of(uid):
-        try:
-            status = dict(
-                line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-            )
-        except (OSError, ValueError):
-            continue
-        name = status.get("Name", "?").strip()
-        counts[name] = counts.get(name, 0) + int(status.get("Threads", "0"))
+    for info in _live_processes_of(uid, ["name", "num_threads"]):
+        name = info["name"] or "?"
+        counts[name] = counts.get(name, 0) + (info["num_threads"] or 0)
     return counts
 
 
