@@ -185,7 +185,8 @@ class _Planner:
         dev, d = self.devices(node), self.demand
         return (
             dev.stranded,
-            self._splits(node, d.cpus) if self.may_split else 0,
+            self._splits(node, d.cpus),
+            self._halves(node, d.cpus),
             self.cpus[node] - d.cpus,
             len(dev.gpus) - d.gpus,
             len(dev.mig) - d.mig,
@@ -220,15 +221,20 @@ class _Planner:
             return None
         need_cpus, need_memory = need[0], need[1]
         ranked = self.free.plain_by_cpus if self.request.guaranteed else self.free.plain_by_pool
-        splitting = None  # the tightest node that fits only by splitting a core
+        # The tightest node that takes the request as whole free cores; failing that, the tightest
+        # with the fewest splits, then the fewest threads beside another slot.
+        fallback: tuple[tuple[int, int], int] | None = None
         for _, node in itertools.islice(ranked, bisect.bisect_left(ranked, (need_cpus,)), None):
             if need_memory > 0 and self.memory(node) < need_memory:
                 continue
-            if not self.may_split or not self._splits(node, need_cpus):
+            if not self.may_split:
                 return node
-            if splitting is None:
-                splitting = node
-        return splitting
+            cost = (self._splits(node, need_cpus), self._halves(node, need_cpus))
+            if cost == (0, 0):
+                return node
+            if fallback is None or cost < fallback[0]:
+                fallback = (cost, node)
+        return None if fallback is None else fallback[1]
 
     def _splits(self, node: int, want: int) -> int:
         """1 if taking ``want`` exclusive CPUs on ``node`` must split a free core, else 0.
@@ -244,6 +250,21 @@ class _Planner:
             whole = (self.cpus[node] - spare) // tpc
             return int(want - min(whole, want // tpc) * tpc > spare)
         return int(needs_split(self.free.cores[node], want, self.index.core_mask))
+
+    def _halves(self, node: int, want: int) -> int:
+        """Threads of partly used cores that ``want`` exclusive CPUs on ``node`` must take although
+        they are a whole number of cores: 0 where the node's whole free cores hold them.
+
+        With whole_cores off, a request of whole cores still takes whole free cores before the
+        spare threads beside another slot (a shared core is a noisy one); only the remainder of an
+        odd request is meant for a spare thread. Nodes whose cores differ in size count 0 here
+        (their pick already prefers whole cores within the node).
+        """
+        if not self.may_split or want <= 0 or node in self.index.short_core_nodes:
+            return 0
+        tpc = self.index.threads_per_core
+        whole_cpus = (self.cpus[node] - self.free.spare[node]) // tpc * tpc
+        return max(0, want - want % tpc - whole_cpus)
 
     def _best_node_set(self, **fit: bool) -> list[int] | None:
         """Fewest nodes, then the nearest (sum of SLIT distances), then the least left over."""
@@ -393,9 +414,51 @@ class _Planner:
         parts = (
             self._distributed_parts(nodes) if self.options.distribute_across_numa and len(nodes) > 1 else None
         )
+        if parts is None and self.may_split and not set(nodes) & self.index.short_core_nodes:
+            parts = self._whole_cores_parts(nodes)
         if parts is None:
             parts = _pack_parts(nodes, free, n, self._splits)
         return {node: self._take_on_node(node, want) for node, want in parts.items() if want}
+
+    def _whole_cores_parts(self, nodes: list[int]) -> dict[int, int]:
+        """whole_cores off, several nodes of equal-sized cores: the parts that take whole free cores
+        first (packed as :func:`_pack_parts` packs: whole nodes first, then the best fit), then the
+        spare threads of partly used cores, and split a free core only for what is left.
+
+        Packing the free CPUs alone would fill the first node with its spare threads and split a
+        core on the next for the remainder, where the same count was whole cores on both.
+        """
+        tpc = self.index.threads_per_core
+        spare = {x: self.free.spare[x] for x in nodes}
+        whole = {x: self.cpus[x] - spare[x] for x in nodes}
+        n = self.demand.cpus
+        parts: dict[int, int] = {}
+        remaining = min(n - n % tpc, sum(whole.values()) // tpc * tpc)
+        while remaining > 0:
+            unused = [x for x in nodes if x not in parts and whole[x] > 0]
+            fitting = [x for x in unused if whole[x] >= remaining]
+            if fitting:
+                parts[min(fitting, key=lambda x: (whole[x], -spare[x], x))] = remaining
+                break
+            # The node with the most whole cores whole (of equals, the one whose spare threads can
+            # then take an odd remainder), as _pack_parts does with free CPUs.
+            biggest = max(unused, key=lambda x: (whole[x], spare[x], -x))
+            parts[biggest] = whole[biggest]
+            remaining -= whole[biggest]
+        remaining = n - sum(parts.values())
+        # The rest on spare threads, the nodes already holding a part first.
+        for x in sorted(nodes, key=lambda x: (x not in parts, -spare[x], x)):
+            take = min(remaining, spare[x])
+            if take:
+                parts[x] = parts.get(x, 0) + take
+                remaining -= take
+        # What is still missing splits one free core (an odd count, or no spare thread left).
+        for x in sorted(nodes, key=lambda x: (x not in parts, x)):
+            take = min(remaining, whole[x] + spare[x] - parts.get(x, 0))
+            if take > 0:
+                parts[x] = parts.get(x, 0) + take
+                remaining -= take
+        return parts
 
     def _distributed_parts(self, nodes: list[int]) -> dict[int, int] | None:
         """Even split over as few nodes as can take it (kubelet's distribute-cpus-across-numa).

@@ -6,6 +6,8 @@ holds CPUs k, C+k, 2C+k, ... By default the first physical core is reserved for 
 
 - single-socket-ht: 4 cores x 2 threads; core k = CPUs k, 4+k (core 0 reserved: 0, 4).
 - dual-socket-ht: 2 sockets (one node each) x 4 cores x 2; core k = CPUs k, 8+k; node 1 = cores 4-7.
+- quad-socket-ht: 4 sockets (one node each) x 4 cores x 2; core k = CPUs k, 16+k; node n = cores
+  4n..4n+3.
 - quad-socket-smt4: 4 sockets (one node each) x 4 cores x 4 threads; core k = CPUs k, 16+k, 32+k,
   48+k; node n = cores 4n..4n+3 (core 0 reserved: 0, 16, 32, 48).
 - 8-numa: 2 sockets x 4 nodes x 4 cores x 2; core k = CPUs k, 32+k; node n = cores 4n..4n+3,
@@ -33,6 +35,7 @@ from nodeagent.schema.request import parse_slot_request
 TOPOLOGIES: dict[str, Topology] = {
     "single-socket-ht": synthetic_topology(1, 1, 4, 2),
     "dual-socket-ht": synthetic_topology(2, 1, 4, 2),
+    "quad-socket-ht": synthetic_topology(4, 1, 4, 2),
     "quad-socket-smt4": synthetic_topology(4, 1, 4, 4),
     "8-numa": synthetic_topology(2, 4, 4, 2),
     "two-l3": synthetic_topology(1, 1, 8, 2, l3_per_numa=2),
@@ -323,6 +326,40 @@ def test_spare_threads_of_partly_used_cores_come_before_splitting_a_free_core(
     topo: str, taken: tuple[int, ...], options: tuple[str, ...], want: int, cpus: tuple[int, ...]
 ) -> None:
     assert place_and_count_splits(topo, taken, (*WHOLE_CORES_OFF, *options), want) == (cpus, 0)
+
+
+# --------------------------------------------------------------------------- whole cores across nodes
+
+# Spanning nodes, an even request is whole cores on each node before it takes the spare thread
+# beside another slot: packing the free CPUs alone filled the first node with its spare thread and
+# split a free core on the next for the last CPU.
+WHOLE_CORES_ACROSS_NODES = [
+    pytest.param(
+        "dual-socket-ht",
+        (4,),
+        8,
+        (1, 5, 6, 7, 9, 13, 14, 15),
+        id="2s: 8 CPUs are 3 whole cores of node 1 and 1 of node 0, not spare thread 12 and half of core 1",
+    ),
+    pytest.param(
+        "quad-socket-ht",
+        (6, 10, 11, 29),
+        8,
+        (1, 4, 5, 7, 17, 20, 21, 23),
+        id="4s: 8 CPUs are 3 whole cores of node 1 and 1 of node 0, not spare thread 22 and half of core 1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("topo", "taken", "want", "cpus"), WHOLE_CORES_ACROSS_NODES)
+def test_an_even_request_across_nodes_takes_whole_cores_before_spare_threads(
+    topo: str, taken: tuple[int, ...], want: int, cpus: tuple[int, ...]
+) -> None:
+    got, splits = place_and_count_splits(topo, taken, WHOLE_CORES_OFF, want)
+    assert (got, splits) == (cpus, 0)
+    t = TOPOLOGIES[topo]
+    beside_another = [c for c in got if set(taken) & set(t.cores[t.cpu_by_id[c].core])]
+    assert beside_another == []
 
 
 # --------------------------------------------------------------------------- distribute_across_numa

@@ -193,6 +193,15 @@ def check_fewest_splits(host: Host, slots: list[Assignment], a: Assignment) -> N
         assert sum(splits.values()) <= 1, f"{sum(splits.values())} free cores split for one slot"
         if len(a.cpus) % threads == 0 and not any(spare.values()):
             assert sum(splits.values()) == 0, f"{len(a.cpus)} CPUs are whole cores, yet a core was split"
+        # A whole number of cores takes whole free cores before a thread beside another slot, on one
+        # node or several, wherever the slot's nodes have enough of them (distribute_across_numa
+        # fixes the count per node, so it may have to).
+        nodes = {topo.cpu_by_id[c].numa for c in a.cpus}
+        if len(a.cpus) % threads == 0 and not host.options.distribute_across_numa and (
+            sum(sum(whole_sizes[n]) for n in nodes) >= len(a.cpus)
+        ):
+            beside = sorted(c for c in a.cpus if unavailable & set(topo.cores[topo.cpu_by_id[c].core]))
+            assert beside == [], f"{len(a.cpus)} CPUs are whole cores, yet {beside} share a core"
 
 
 # --------------------------------------------------------------------------- properties
