@@ -161,12 +161,16 @@ def threads_of(uid: int) -> dict[str, int]:
 
 def files_of(uid: int, state: Path) -> list[str]:
     """Files the slot's uid left in the host's shared places and in this agent's state directory.
-    Other tests' trees under /tmp are theirs (a slot uid is reused by the next agent's slots)."""
+    Other tests' trees under /tmp are theirs, and so are other agents' state directories wherever
+    they lie (a slot uid is reused by the next agent's slots: another agent's worker directories
+    may hold that uid's files)."""
     left = []
     for top in ("/tmp", "/var/tmp", "/dev/shm", str(state)):
         for root, dirs, files in os.walk(top):
             if root == "/tmp":
                 dirs[:] = [d for d in dirs if not d.startswith("pytest-of-")]
+            if root != str(state) and "workers" in dirs and os.path.exists(os.path.join(root, "token")):
+                dirs.remove("workers")
             for name in dirs + files:
                 path = os.path.join(root, name)
                 try:
