@@ -26,6 +26,13 @@ the best-effort class parent and its slots then get the pool's CPUs within the l
 sync (an exclusive slot coming or going, a new best-effort slot) keeps to it, so the pool's own
 updates never undo a suppression.
 
+A cpuset that changes reaches the slot's tasks through :func:`follow_affinity`: the kernel (6.2 and
+later) keeps each task's own ``sched_setaffinity`` mask and intersects every later cpuset with it,
+so a worker launched on a one-CPU pool (the launch pins it to its cpuset) would never run on the
+CPUs its slot gains. Every cpuset write therefore reads its tasks' CPUs first and, after the
+write, widens each task that ran on all of the old cpuset to all of the new one; a task its
+program narrowed keeps what is left of its choice.
+
 An empty pool is allowed while no shared slot exists: v1 accepts an empty cpuset in a group without
 tasks; in v2 an empty cpuset.cpus means "as the parent", which only matters once a task is there,
 and a new shared slot is refused (Conflict) while the pool is empty.
@@ -33,6 +40,8 @@ and a new shared slot is refused (Conflict) while the pool is empty.
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +129,16 @@ def plan_cpuset_writes(groups: Iterable[CpusetGroup]) -> list[tuple[str, frozens
         if group.target != widened[group.relpath]:
             writes.append((group.relpath, group.target))
     return writes
+
+
+def follow_affinity(seen: frozenset[int], old: frozenset[int], new: frozenset[int]) -> frozenset[int]:
+    """The CPUs a task runs on once its cgroup's cpuset went from ``old`` to ``new`` (both as the
+    kernel applies them), given the CPUs ``seen`` it ran on before: a task that ran on all of the
+    old cpuset follows the slot to all of the new one; a task its program narrowed keeps what is
+    left of its choice, or all of the new cpuset when nothing is (as the kernel itself falls back)."""
+    if seen >= old:
+        return new
+    return (seen & new) or new
 
 
 # --------------------------------------------------------------------------- the kernel edge
@@ -210,16 +229,42 @@ class SharedPool:
             groups.append(CpusetGroup(relpath, self.read_cpus(relpath), target))
             groups += self._below(relpath, target)
         groups.append(CpusetGroup(best_effort, self.read_cpus(best_effort), best_effort_cpus))
-        for relpath, cpus in plan_cpuset_writes(groups):
-            open_manager(self.host, relpath).set(CgroupLimits(cpuset_cpus=cpus))
+        self._write_all(groups)
         return pool
 
     def follow(self, relpath: str, cpus: frozenset[int]) -> None:
         """Give the slot at ``relpath`` the CPUs ``cpus`` together with the cgroups a container
         runtime made below it, in an order v1 accepts."""
-        groups = [CpusetGroup(relpath, self.read_cpus(relpath), cpus), *self._below(relpath, cpus)]
-        for path, target in plan_cpuset_writes(groups):
-            open_manager(self.host, path).set(CgroupLimits(cpuset_cpus=target))
+        self._write_all([CpusetGroup(relpath, self.read_cpus(relpath), cpus), *self._below(relpath, cpus)])
+
+    def _write_all(self, groups: list[CpusetGroup]) -> None:
+        for relpath, cpus in plan_cpuset_writes(groups):
+            self._write(relpath, cpus)
+
+    def _write(self, relpath: str, cpus: frozenset[int]) -> None:
+        """Write one cpuset and take its tasks along (:func:`follow_affinity`). Threads are tasks:
+        v1's ``tasks`` and v2's ``cgroup.threads`` list every thread id."""
+        old = self._effective(relpath)
+        seen = {tid: found for tid in self._tids(relpath) if (found := _affinity(tid)) is not None}
+        open_manager(self.host, relpath).set(CgroupLimits(cpuset_cpus=cpus))
+        if not seen:
+            return
+        new = self._effective(relpath)
+        for tid, before in seen.items():
+            wanted = follow_affinity(before, old, new)
+            if wanted != _affinity(tid):
+                _set_affinity(tid, wanted)
+
+    def _effective(self, relpath: str) -> frozenset[int]:
+        """The CPUs the kernel gives the cgroup's tasks (v2: within its parents' too)."""
+        name = "cpuset.cpus.effective" if self.host.mode == "v2" else "cpuset.effective_cpus"
+        text = cgroupfs.read_optional(self._mount, cgroupfs.join(relpath, name))
+        return parse_cpulist(text) if text is not None else self.read_cpus(relpath)
+
+    def _tids(self, relpath: str) -> list[int]:
+        name = "cgroup.threads" if self.host.mode == "v2" else "tasks"
+        text = cgroupfs.read_optional(self._mount, cgroupfs.join(relpath, name)) or ""
+        return [int(line) for line in text.split()]
 
     def _below(self, relpath: str, target: frozenset[int]) -> list[CpusetGroup]:
         """The cgroups below a slot's (a container worker's: ``libpod-<id>``, ``conmon``), which
@@ -241,6 +286,26 @@ class SharedPool:
 
     def read_ids(self, relpath: str, name: str) -> frozenset[int]:
         return parse_cpulist(cgroupfs.read_file(self._mount, cgroupfs.join(relpath, name)))
+
+
+def _affinity(tid: int) -> frozenset[int] | None:
+    """A thread's CPUs; None once it is gone."""
+    try:
+        return frozenset(os.sched_getaffinity(tid))
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _set_affinity(tid: int, cpus: frozenset[int]) -> None:
+    """Set a thread's CPUs; a thread that ended meanwhile, or a cpuset that moved again under the
+    call (EINVAL: no CPU of ``cpus`` allowed any more), is left to the next write."""
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except ProcessLookupError:
+        return
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
 
 
 def _cpuset_mount(host: CgroupHost) -> Path:

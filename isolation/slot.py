@@ -452,8 +452,10 @@ class SlotIsolator:
         undo: list[Undo] = []
         try:
             cpus = self._prepare_cpus(spec, relpath, existed)
-            if existed and spec.exclusive:
-                self.pool.follow(relpath, cpus)  # with a container's cgroups below it, if any
+            if existed:
+                # With a container's cgroups below it, if any, and the tasks along (a shared slot's
+                # CPUs change too when its NUMA binding does).
+                self.pool.follow(relpath, cpus)
             manager.create(cpus if spec.exclusive else None)
             if not existed:
                 undo.append(lambda: remove_subtree(self.host, relpath, self.config.kill_timeout_s))

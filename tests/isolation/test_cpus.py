@@ -17,6 +17,7 @@ from nodeagent.isolation.cpus import (
     CpuLayout,
     CpusetGroup,
     SharedPool,
+    follow_affinity,
     limit_cpus,
     plan_cpuset_writes,
     shared_pool,
@@ -318,3 +319,20 @@ def test_sync_keeps_best_effort_within_its_limit_and_burstable_on_the_whole_pool
     pool.sync()
     assert _cpus(mount, f"{PARENT}/best-effort/batch") == "0-7"
     assert _cpus(mount, f"{PARENT}/best-effort") == "0-7"
+
+
+@pytest.mark.parametrize(
+    ("seen", "old", "new", "expected"),
+    [
+        pytest.param({0}, {0}, {0, 1}, {0, 1}, id="launched-on-a-one-cpu-pool-follows-its-growth"),
+        pytest.param({0, 1}, {0, 1}, {0}, {0}, id="follows-a-shrink"),
+        pytest.param({1}, {1}, {0}, {0}, id="follows-a-move"),
+        pytest.param({2}, {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}, {2}, id="narrowed-keeps-its-choice"),
+        pytest.param({2, 3}, {0, 1, 2, 3}, {0, 1, 3}, {3}, id="narrowed-keeps-what-is-left"),
+        pytest.param({2}, {0, 1, 2}, {0, 1}, {0, 1}, id="narrowed-to-nothing-left-takes-the-new-cpuset"),
+    ],
+)
+def test_a_task_follows_its_cpuset_unless_its_program_narrowed_it(
+    seen: set[int], old: set[int], new: set[int], expected: set[int]
+) -> None:
+    assert follow_affinity(frozenset(seen), frozenset(old), frozenset(new)) == frozenset(expected)

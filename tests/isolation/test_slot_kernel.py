@@ -281,6 +281,48 @@ def test_guaranteed_slot_owns_its_cpu_and_the_pool_gives_it_back(
     isolator.release("g")  # already gone is fine
 
 
+#: A worker as the launch leaves it: pinned to its cpuset by sched_setaffinity, with a second thread.
+PINNED_WITH_A_THREAD = """
+import threading, time
+os.sched_setaffinity(0, os.sched_getaffinity(0))
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+time.sleep(60)
+"""
+
+
+def threads_cpus(pid: int) -> dict[int, str]:
+    """Each thread of ``pid`` -> its Cpus_allowed_list."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                found[int(task.name)] = line.split(":", 1)[1].strip()
+    return found
+
+
+@pytest.mark.root
+def test_a_pinned_worker_and_its_threads_grow_with_the_pool(isolator: SlotIsolator, start_in) -> None:
+    """The kernel keeps a task's own sched_setaffinity mask across cpuset changes (6.2 and later):
+    without the agent taking the tasks along, a worker launched on a one-CPU pool stays on it."""
+    isolator.apply(guaranteed())
+    worker = start_in(isolator.apply(burstable()), PINNED_WITH_A_THREAD)
+    assert wait_for(lambda: len(threads_cpus(worker.pid)) == 2)
+    assert set(threads_cpus(worker.pid).values()) == {"0"}
+
+    isolator.release("g")
+    assert set(threads_cpus(worker.pid).values()) == {"0-1"}
+
+
+@pytest.mark.root
+def test_a_pinned_worker_follows_its_exclusive_cpus_through_resizes(isolator: SlotIsolator, start_in) -> None:
+    worker = start_in(isolator.apply(guaranteed()), PINNED_WITH_A_THREAD)
+    assert wait_for(lambda: len(threads_cpus(worker.pid)) == 2)
+    isolator.resize(guaranteed(cpus=F({0})))
+    assert set(threads_cpus(worker.pid).values()) == {"0"}
+    isolator.resize(guaranteed(cpus=F({0, 1})))
+    assert set(threads_cpus(worker.pid).values()) == {"0-1"}
+
+
 @pytest.mark.root
 def test_new_shared_slots_start_on_the_pool_only(isolator: SlotIsolator, start_in) -> None:
     isolator.apply(guaranteed())
@@ -560,6 +602,8 @@ def test_a_slot_left_half_made_across_v1_hierarchies_is_still_listed(
     assert owned["shalfmade0001"].applied.mems is None
     assert "shalfmade0001" in isolator.remove_orphans(set()).cgroups
     assert not (host.v1_mounts["pids"] / relpath).exists()
+
+
 @pytest.mark.root
 def test_a_slot_cut_short_before_its_cpuset_directory_is_still_listed(
     isolator: SlotIsolator, host: CgroupHost
