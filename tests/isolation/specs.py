@@ -30,3 +30,22 @@ def status_field(pid: int, name: str) -> str:
         if line.startswith(name + ":"):
             return line.split(":", 1)[1].strip()
     raise AssertionError(f"{name} not in /proc/{pid}/status")
+
+
+#: A worker as the launch leaves it: pinned to its cpuset by sched_setaffinity, with a second thread.
+PINNED_WITH_A_THREAD = """
+import threading, time
+os.sched_setaffinity(0, os.sched_getaffinity(0))
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+time.sleep(60)
+"""
+
+
+def threads_cpus(pid: int) -> dict[int, str]:
+    """Each thread of ``pid`` -> its Cpus_allowed_list."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                found[int(task.name)] = line.split(":", 1)[1].strip()
+    return found

@@ -32,7 +32,15 @@ from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
 from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
-from tests.isolation.specs import F, MiB, burstable, guaranteed, status_field
+from tests.isolation.specs import (
+    PINNED_WITH_A_THREAD,
+    F,
+    MiB,
+    burstable,
+    guaranteed,
+    status_field,
+    threads_cpus,
+)
 
 from ..cgroups.conftest import Child, wait_for
 
@@ -279,25 +287,6 @@ def test_guaranteed_slot_owns_its_cpu_and_the_pool_gives_it_back(
     assert cpuset_of(host, f"{parent}/best-effort") == "0-1"
     assert "g" not in isolator.list_owned().cgroups
     isolator.release("g")  # already gone is fine
-
-
-#: A worker as the launch leaves it: pinned to its cpuset by sched_setaffinity, with a second thread.
-PINNED_WITH_A_THREAD = """
-import threading, time
-os.sched_setaffinity(0, os.sched_getaffinity(0))
-threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-time.sleep(60)
-"""
-
-
-def threads_cpus(pid: int) -> dict[int, str]:
-    """Each thread of ``pid`` -> its Cpus_allowed_list."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                found[int(task.name)] = line.split(":", 1)[1].strip()
-    return found
 
 
 @pytest.mark.root

@@ -15,7 +15,16 @@ from nodeagent.cgroups.detect import V2_CONTROLLERS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest
 from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import SlotIsolationSpec
-from tests.isolation.specs import F, MiB, best_effort, burstable, guaranteed, status_field
+from tests.isolation.specs import (
+    PINNED_WITH_A_THREAD,
+    F,
+    MiB,
+    best_effort,
+    burstable,
+    guaranteed,
+    status_field,
+    threads_cpus,
+)
 
 from ...cgroups.conftest import wait_for
 
@@ -127,6 +136,32 @@ def test_guaranteed_slot_owns_its_cpu_and_the_pool_gives_it_back(
     assert status_field(late.pid, "Cpus_allowed_list") == "0-1"
     assert read(host, shared.cgroup, "cpuset.cpus.effective") == "0-1"
     assert not cgroup_dir(host, slot.cgroup).exists()
+
+
+@pytest.mark.root
+def test_pinned_workers_and_their_threads_follow_every_cpuset_change(
+    isolator: SlotIsolator, start_in
+) -> None:
+    """Launched as the agent launches them (pinned to their cpuset), with a second thread: the pool's
+    growth reaches burstable and best-effort workers."""
+    isolator.apply(guaranteed())
+    shared = [start_in(isolator.apply(s), PINNED_WITH_A_THREAD) for s in (burstable(), best_effort())]
+    for worker in shared:
+        assert wait_for(lambda w=worker: len(threads_cpus(w.pid)) == 2)
+        assert set(threads_cpus(worker.pid).values()) == {"0"}
+    isolator.release("g")
+    for worker in shared:
+        assert set(threads_cpus(worker.pid).values()) == {"0-1"}
+
+
+@pytest.mark.root
+def test_a_pinned_guaranteed_worker_follows_its_resizes(isolator: SlotIsolator, start_in) -> None:
+    worker = start_in(isolator.apply(guaranteed()), PINNED_WITH_A_THREAD)
+    assert wait_for(lambda: len(threads_cpus(worker.pid)) == 2)
+    isolator.resize(guaranteed(cpus=F({0})))
+    assert set(threads_cpus(worker.pid).values()) == {"0"}
+    isolator.resize(guaranteed(cpus=F({0, 1})))
+    assert set(threads_cpus(worker.pid).values()) == {"0-1"}
 
 
 @pytest.mark.root
