@@ -341,3 +341,74 @@ def test_allocate_isolate_serve_release(daemon: Daemon, worker_python: str) -> N
     assert our_veths() == []
     client.close()
     assert daemon.stop() == 0, daemon.log_path.read_text()[-3000:]
+
+
+#: A worker that says, twice a second, the CPUs each of its threads may run on, as it sees them.
+AFFINITY_REPORTER = """
+import os, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+while True:
+    cpus = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+    print("affinity", sorted(cpus), flush=True)
+    time.sleep(0.5)
+"""
+
+
+def reported_affinity(daemon: Daemon, slot_id: str) -> str:
+    lines = [line for line in daemon.cli("logs", slot_id).splitlines() if line.startswith("affinity ")]
+    return lines[-1] if lines else ""
+
+
+def test_a_worker_sees_every_change_of_its_slots_cpus(daemon: Daemon, worker_python: str) -> None:
+    """From inside the worker (its own sched_getaffinity, every thread): a resize of a guaranteed
+    slot, and the pool a burstable slot runs on growing when an exclusive slot leaves."""
+    client = daemon.start()
+    worker = {"command": [worker_python, "-c", AFFINITY_REPORTER]}
+    exclusive = client.post(
+        "/v1/slots",
+        json={
+            "name": "natest-g",
+            "qos": "guaranteed",
+            "resources": {"cpus": 1, "memory": "64Mi"},
+            "worker": worker,
+        },
+    )
+    assert exclusive.status_code == 201, exclusive.text
+    g = exclusive.json()
+    (cpu,) = g["assignment"]["cpus"]
+    wait_until(
+        "the worker's first report", lambda: reported_affinity(daemon, g["id"]) == f"affinity [({cpu},)]"
+    )
+    resized = client.patch(f"/v1/slots/{g['id']}", json={"resources": {"cpus": 2}})
+    assert resized.status_code == 200, resized.text
+    assert sorted(resized.json()["assignment"]["cpus"]) == [0, 1]
+    wait_until(
+        "the resize to reach every thread", lambda: reported_affinity(daemon, g["id"]) == "affinity [(0, 1)]"
+    )
+    resized = client.patch(f"/v1/slots/{g['id']}", json={"resources": {"cpus": 1}})
+    assert resized.status_code == 200, resized.text
+    (cpu,) = resized.json()["assignment"]["cpus"]
+    free = 1 - cpu
+
+    shared = client.post(
+        "/v1/slots",
+        json={
+            "name": "natest-b",
+            "qos": "burstable",
+            "resources": {"cpus": 0.5, "memory": "64Mi"},
+            "worker": worker,
+        },
+    )
+    assert shared.status_code == 201, shared.text
+    b = shared.json()
+    wait_until(
+        "the burstable worker's report", lambda: reported_affinity(daemon, b["id"]) == f"affinity [({free},)]"
+    )
+    assert client.delete(f"/v1/slots/{g['id']}").status_code == 204
+    wait_until(
+        "the pool's growth to reach every thread",
+        lambda: reported_affinity(daemon, b["id"]) == "affinity [(0, 1)]",
+    )
+    assert client.delete(f"/v1/slots/{b['id']}").status_code == 204
+    client.close()
+    assert daemon.stop() == 0, daemon.log_tail()
