@@ -249,18 +249,58 @@ def stop_command(ctx: click.Context, /, slot_id: str, *, wait: bool, timeout: fl
     _print_worker_change(slot, as_json)
 
 
+#: A worker without a readiness probe is "running" once its process runs; --wait holds on this
+#: long more, so a worker that exits at once (a bad argument, a missing file) fails the wait.
+_UNPROBED_HOLD_SECONDS = 1.0
+
+
 def _wait_for_start(client: AgentClient, slot: dict[str, Any], timeout: float) -> dict[str, Any]:
     slot = _poll(
         client, slot, timeout, lambda phase: phase == "running" or phase in _START_FAILED_PHASES, "run"
     )
     worker = slot.get("worker") or {}
+    if worker.get("phase") == "running" and worker.get("ready_when") == "started":
+        slot = _hold(client, slot)
+        worker = slot.get("worker") or {}
     if worker.get("phase") != "running":
         why = f": {worker['message']}" if worker.get("message") else ""
         raise WorkerError(
-            f"the worker of slot {slot['id']} did not start: {_worker_summary(worker)}{why}; "
-            f"`nodeagent slots logs {slot['id']}` shows its output"
+            f"the worker of slot {slot['id']} did not start: {_worker_summary(worker)}{why}"
+            f"{_probe_advice(worker)}; `nodeagent slots logs {slot['id']}` shows its output"
         )
     return slot
+
+
+def _hold(client: AgentClient, slot: dict[str, Any]) -> dict[str, Any]:
+    """The slot once its probe-less worker ran for :data:`_UNPROBED_HOLD_SECONDS` (the same
+    process), or as soon as it stopped running; a restart meanwhile is a failed start."""
+    pid = (slot.get("worker") or {}).get("pid")
+    until = time.monotonic() + _UNPROBED_HOLD_SECONDS
+    while time.monotonic() < until:
+        time.sleep(_POLL_SECONDS)
+        slot = client.get_slot(str(slot["id"]))
+        worker = slot.get("worker") or {}
+        if worker.get("phase") != "running":
+            return slot
+        if worker.get("pid") != pid:
+            raise WorkerError(
+                f"the worker of slot {slot['id']} did not start: pid {pid} ended within its first "
+                f"{_UNPROBED_HOLD_SECONDS:g}s and was restarted as pid {worker.get('pid')}; "
+                f"`nodeagent slots logs {slot['id']}` shows its output"
+            )
+    return slot
+
+
+def _probe_advice(worker: Mapping[str, Any]) -> str:
+    """``; last probe: GET /ready: HTTP 404 (2s ago); likely: ...`` for a worker whose readiness
+    probe has said something, else empty."""
+    probe = worker.get("last_probe")
+    if not probe or probe.get("passed"):
+        return ""
+    text = f"; last readiness probe: {probe.get('detail', '?')}"
+    if probe.get("cause"):
+        text += f"; likely: {probe['cause']}"
+    return text
 
 
 def _poll(
@@ -273,9 +313,13 @@ def _poll(
     deadline = time.monotonic() + timeout
     while not arrived(str((slot.get("worker") or {}).get("phase"))):
         if time.monotonic() >= deadline:
+            worker = slot.get("worker") or {}
+            probe = worker.get("last_probe") or {}
+            # Waiting longer helps a server still loading, not one whose answer is a definite no.
+            longer = "" if probe.get("definite") else "; wait longer with --timeout"
             raise WorkerError(
                 f"the worker of slot {slot['id']} did not {goal} within {timeout:g}s; it is "
-                f"{_worker_summary(slot.get('worker') or {})}; wait longer with --timeout"
+                f"{_worker_summary(worker)}{_probe_advice(worker)}{longer}"
             )
         time.sleep(_POLL_SECONDS)
         slot = client.get_slot(str(slot["id"]))
@@ -534,6 +578,14 @@ def _worker_lines(worker: Mapping[str, Any] | None, now: float) -> list[str]:
         lines.append(f"  last exit {_describe_exit(last_exit, now)}")
     if worker.get("message"):
         lines.append(f"  message   {worker['message']}")
+    probe = worker.get("last_probe")
+    if probe:
+        verdict = "passed" if probe.get("passed") else "failed"
+        lines.append(
+            f"  probe     {verdict}: {probe.get('detail', '?')}, {_age(now - float(probe['at']))} ago"
+        )
+        if probe.get("cause") and not probe.get("passed"):
+            lines.append(f"  likely    {probe['cause']}")
     return lines
 
 

@@ -49,12 +49,20 @@ class ExitRecord:
     #: not its parent (it had outlived the keeper that started it), so when is known but not how;
     #: "lost": it ended while no keeper watched it, and nobody saw how or exactly when.
     reason: str
+    #: Why the agent stopped it, when it did so on its own (a start-up timeout, a failed liveness
+    #: probe): its exit status is then the answer to the agent's signal, not a verdict of its own.
+    stopped_by: str | None = None
 
     @property
     def succeeded(self) -> bool:
-        return self.code == 0
+        return self.code == 0 and self.stopped_by is None
 
     def describe(self) -> str:
+        if self.stopped_by is not None:
+            return f"stopped by the agent ({self.stopped_by}), then {self._how()}"
+        return self._how()
+
+    def _how(self) -> str:
         if self.reason == "lost":
             return "ended while no keeper watched it; its exit status is unknown"
         if self.reason == "unknown":
@@ -94,6 +102,7 @@ class ExitRecord:
             oom_killed=bool(body.get("oom_killed", False)),
             finished_at=float(body.get("finished_at", 0.0)),
             reason=str(body.get("reason", "lost")),
+            stopped_by=body.get("stopped_by"),
         )
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
-from nodeagent.runtime.probes import call_http, check_probe
+from nodeagent.runtime.probes import ProbeResult, call_http, run_probe
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.schema.worker import PreStop, Probe, ProbeKind, RestartPolicy, WorkerSpec
@@ -69,9 +69,25 @@ class Launcher(Protocol):
     def launch(self, req: LaunchRequest) -> WorkerHandle: ...
 
 
-ProbeCheck = Callable[[Probe, str], bool]
+ProbeCheck = Callable[[Probe, str], "bool | ProbeResult"]
 #: Runs an exec probe where the worker behind the handle runs (its slot, namespaces and uid).
-ExecProbe = Callable[[Probe, WorkerHandle], bool]
+ExecProbe = Callable[[Probe, WorkerHandle], "bool | ProbeResult"]
+
+#: The longest a start-up probe waits between checks of a server whose answer is a definite no
+#: (:attr:`ProbeResult.definite`: no such path, authentication asked, not HTTP): each such answer
+#: in a row doubles the wait from startup_period_seconds (never past period_seconds), so a
+#: misconfigured server's log gets about one request a second instead of twenty. "Not yet"
+#: answers (connection refused, 503, not serving) keep the start-up period: a server is still
+#: seen ready within startup_period_seconds of being so.
+DEFINITE_BACKOFF_MAX_SECONDS = 1.0
+
+
+def as_result(outcome: bool | ProbeResult, probe: Probe) -> ProbeResult:
+    """A check's outcome as a :class:`ProbeResult` (exec probes through the keeper say only yes or no)."""
+    if isinstance(outcome, ProbeResult):
+        return outcome
+    detail = f"{probe.kind.value} probe " + ("passed" if outcome else "failed")
+    return ProbeResult(outcome, False, detail, time.time())
 
 
 class Phase(enum.StrEnum):
@@ -116,6 +132,11 @@ class WorkerStatus:
     last_exit: ExitRecord | None
     next_restart_in: float | None
     message: str
+    #: The readiness probe's last result (None: no probe, or none ran yet).
+    last_probe: ProbeResult | None = None
+    #: "probe": running means its readiness probe passed; "started": it has none, running means
+    #: only that its process runs.
+    ready_when: str = "started"
 
     def same_as(self, other: WorkerStatus) -> bool:
         """Equal but for the restart countdown, which changes every instant and is computed when read."""
@@ -132,6 +153,8 @@ class WorkerStatus:
             "last_exit": None if self.last_exit is None else self.last_exit.to_json(),
             "next_restart_in": self.next_restart_in,
             "message": self.message,
+            "last_probe": None if self.last_probe is None else self.last_probe.to_json(),
+            "ready_when": self.ready_when,
         }
 
     @classmethod
@@ -145,6 +168,8 @@ class WorkerStatus:
             last_exit=None if last_exit is None else ExitRecord.from_json(last_exit),
             next_restart_in=body.get("next_restart_in"),
             message=str(body.get("message", "")),
+            last_probe=ProbeResult.from_json(body["last_probe"]) if body.get("last_probe") else None,
+            ready_when=str(body.get("ready_when", "started")),
         )
 
 
@@ -161,21 +186,28 @@ class ProbeTracker:
         self.ever_passed = passing
         self._successes = 0
         self._failures = 0
+        #: Definite "no" answers in a row before the probe ever passed (the back-off).
+        self._definite_in_row = 0
+        self.last: ProbeResult | None = None
         #: The check running in the probe pool, when there is one, and when it was submitted.
-        self.pending: Future[bool] | None = None
+        self.pending: Future[ProbeResult] | None = None
         self.submitted = 0.0
 
     def due(self, now: float) -> bool:
         return self.pending is None and now >= self.next_due
 
-    def record(self, ok: bool, now: float, started: float | None = None) -> None:
+    def record(self, result: ProbeResult, now: float, started: float | None = None) -> None:
         """Count one result; the next check is due a period after this one ``started`` (when it ran
         in the pool: the time it waited for a thread and for the loop does not stretch the period)."""
+        ok = result.passed
+        self.last = result
         period = self.probe.period_seconds
+        self._definite_in_row = self._definite_in_row + 1 if result.definite else 0
         if not self.ever_passed and not ok:
             # Until it first passes, a probe runs often: the worker is running within about
-            # startup_period_seconds of being ready rather than a full period later.
-            period = min(period, self.probe.startup_period_seconds)
+            # startup_period_seconds of being ready rather than a full period later; less often
+            # while the server's answer is a definite no (DEFINITE_BACKOFF_MAX_SECONDS).
+            period = min(period, startup_interval(self.probe, self._definite_in_row))
         self.next_due = max(now, (now if started is None else started) + period)
         if ok:
             self._successes += 1
@@ -189,6 +221,15 @@ class ProbeTracker:
                 self.passing = False
 
 
+def startup_interval(probe: Probe, definite_in_row: int) -> float:
+    """Seconds to the next start-up check after ``definite_in_row`` definite "no" answers in a row."""
+    base = probe.startup_period_seconds
+    if definite_in_row <= 1:
+        return base
+    doubled = base * (1 << min(definite_in_row - 1, 30))
+    return max(base, min(DEFINITE_BACKOFF_MAX_SECONDS, doubled))
+
+
 class Supervisor:
     """Keeps one slot's worker alive according to its spec."""
 
@@ -200,7 +241,7 @@ class Supervisor:
         cgroup: SlotCgroup,
         *,
         clock: Callable[[], float] = time.monotonic,
-        check: ProbeCheck = check_probe,
+        check: ProbeCheck = run_probe,
         probe_host: str = "127.0.0.1",
         backoff: Backoff | None = None,
         exec_probe: ExecProbe | None = None,
@@ -339,6 +380,8 @@ class Supervisor:
             last_exit=self.last_exit,
             next_restart_in=wait,
             message=self.message,
+            last_probe=None if self._readiness is None else self._readiness.last,
+            ready_when="probe" if self.spec.readiness is not None else "started",
         )
 
     # --- steps ------------------------------------------------------------------------------
@@ -401,11 +444,11 @@ class Supervisor:
                 return False
             future, tracker.pending = tracker.pending, None
             try:
-                ok = future.result()
-            except Exception:  # a probe's own bug counts as a failure, not as the loop's
+                result = future.result()
+            except Exception as err:  # a probe's own bug counts as a failure, not as the loop's
                 log.exception("probe raised", extra={"probe": tracker.probe.kind.value})
-                ok = False
-            tracker.record(ok, now, started=tracker.submitted)
+                result = ProbeResult(False, False, f"the probe itself failed: {err!r}", time.time())
+            tracker.record(result, now, started=tracker.submitted)
             return True
         if not tracker.due(now):
             return False
@@ -438,10 +481,10 @@ class Supervisor:
             elif not self._readiness.passing and self.phase is Phase.RUNNING:
                 self._set(Phase.UNREADY, f"pid {pid} failed its readiness probe")
 
-    def _probe(self, probe: Probe) -> bool:
+    def _probe(self, probe: Probe) -> ProbeResult:
         if probe.kind is ProbeKind.EXEC and self._exec_probe is not None and self._handle is not None:
-            return self._exec_probe(probe, self._handle)
-        return self._check(probe, self._probe_host)
+            return as_result(self._exec_probe(probe, self._handle), probe)
+        return as_result(self._check(probe, self._probe_host), probe)
 
     def _begin_stop(self, now: float, why: str) -> None:
         """A stop in up to three steps: drain (the worker is shown not ready at once; requests under
@@ -473,8 +516,8 @@ class Supervisor:
         if hook.exec is not None:
             probe = Probe(exec=hook.exec, timeout_seconds=hook.timeout_seconds)
             if self._exec_probe is not None:
-                return self._exec_probe(probe, handle)
-            return self._check(probe, self._probe_host)
+                return as_result(self._exec_probe(probe, handle), probe).passed
+            return as_result(self._check(probe, self._probe_host), probe).passed
         assert hook.http is not None
         return call_http(hook.http, self._probe_host, hook.timeout_seconds)
 
@@ -523,6 +566,8 @@ class Supervisor:
             and self._cgroup.oom_kill_count() > self._oom_at_launch
         ):
             record = dataclasses.replace(record, oom_killed=True, reason="oom-killed")
+        if self._killed_for:
+            record = dataclasses.replace(record, stopped_by=self._killed_for)
         self.last_exit = record
         # Helpers the worker forked must not outlive it: the next start needs an empty slot.
         if self._cgroup.pids():

@@ -168,3 +168,66 @@ def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(dae
     logs = answer.json()["lines"]
     assert logs[-1].startswith("[agent] worker failed: launch failed")
     client.close()
+
+
+def test_allocate_wait_fails_for_a_probeless_worker_that_exits_at_once(daemon: DaemonProcess) -> None:
+    """Without a readiness probe a worker is "running" once its process runs: --wait still fails
+    when it exits within its first second (README: exit 1 if it cannot start)."""
+    daemon.start().close()
+    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    request = {
+        "name": "quitter",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": {"command": ["/bin/sh", "-c", "exit 3"], "restart": "always"},
+    }
+    done = subprocess.run(
+        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "did not start" in done.stderr
+
+
+def test_a_worker_that_is_not_ready_says_why_in_show_and_in_wait(
+    daemon: DaemonProcess, worker_python: str
+) -> None:
+    """A server that answers 404 at its readiness path: the last probe result and its likely cause
+    reach the slot's view, `slots show` and the --wait failure, which does not advise waiting longer."""
+    client = daemon.start()
+    argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
+    port = free_port()
+    request = {
+        "name": "lost-model",
+        "qos": "burstable",
+        "resources": {"cpus": 0.2, "memory": "64Mi"},
+        "worker": {
+            "command": [worker_python, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+            "workdir": "/",
+            "readiness": {"http": {"port": port, "path": "/v2/models/typo/ready"}},
+        },
+    }
+    done = subprocess.run(
+        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "last readiness probe: GET /v2/models/typo/ready: HTTP 404" in done.stderr
+    assert "likely: the server answers, but has nothing at /v2/models/typo/ready" in done.stderr
+    assert "wait longer" not in done.stderr
+    worker = client.get("/v1/slots/lost-model").json()["worker"]
+    assert (worker["phase"], worker["ready_when"]) == ("starting", "probe")
+    assert worker["last_probe"]["definite"] is True
+    shown = subprocess.run(
+        [*argv, "show", "lost-model"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "  probe     failed: GET /v2/models/typo/ready: HTTP 404" in shown.stdout
+    assert "  likely    the server answers, but has nothing at" in shown.stdout
+    assert client.delete("/v1/slots/lost-model").status_code == 204
+    client.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from nodeagent.runtime.probes import (
     grpc_request,
     grpc_serving,
     json_field,
+    run_probe,
     same_json,
 )
 from nodeagent.runtime.request import LaunchRequest
@@ -160,6 +162,47 @@ def http_port() -> Iterator[int]:
 def test_http_probe(http_port: int, check: dict[str, Any], passes: bool) -> None:
     probe = Probe.model_validate({"http": {"port": http_port, **check}})
     assert check_probe(probe, "127.0.0.1") is passes
+
+
+@pytest.mark.parametrize(
+    ("check", "passed", "definite", "detail"),
+    [
+        ({"path": "/ready"}, True, False, "GET /ready: HTTP 200"),
+        ({"path": "/teapot"}, False, False, "GET /teapot: HTTP 418 short and stout"),
+        ({"path": "/nothing"}, False, True, "GET /nothing: HTTP 404"),
+        (
+            {"path": "/ready", "body": {"contains": "LOADING"}},
+            False,
+            False,
+            'GET /ready: HTTP 200, but the body does not match: {"status": "READY"}',
+        ),
+    ],
+)
+def test_an_http_probe_says_what_came_back(
+    http_port: int, check: dict[str, Any], passed: bool, definite: bool, detail: str
+) -> None:
+    result = run_probe(Probe.model_validate({"http": {"port": http_port, **check}}), "127.0.0.1")
+    assert (result.passed, result.definite, result.detail) == (passed, definite, detail)
+
+
+def test_a_probe_of_a_port_nobody_listens_on_says_so_and_that_it_may_come() -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        result = run_probe(Probe.model_validate({"http": {"port": port}}), "127.0.0.1")
+    assert (result.passed, result.definite) == (False, False)
+    assert result.detail == f"connection refused: nothing listens on 127.0.0.1:{port}"
+
+
+def test_an_overlong_answer_is_cut_to_one_short_line(http_port: int) -> None:
+    Answers.routes["/long"] = (503, b"loading\n" + b"x" * 5000)
+    try:
+        result = run_probe(Probe.model_validate({"http": {"port": http_port, "path": "/long"}}), "127.0.0.1")
+    finally:
+        del Answers.routes["/long"]
+    assert result.detail.startswith("GET /long: HTTP 503 loading xxx")
+    assert result.detail.endswith("...")
+    assert len(result.detail) < 250
 
 
 def test_a_probe_port_that_was_never_bound_is_a_bug_not_a_failure() -> None:

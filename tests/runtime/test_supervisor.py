@@ -8,9 +8,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from nodeagent.errors import WorkerError
+from nodeagent.runtime.probes import ProbeResult
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.supervisor import Backoff, Phase, Supervisor
+from nodeagent.runtime.supervisor import (
+    DEFINITE_BACKOFF_MAX_SECONDS,
+    Backoff,
+    Phase,
+    Supervisor,
+    startup_interval,
+)
 from nodeagent.schema.worker import HttpCheck, Probe, RestartPolicy, TcpCheck, WorkerSpec
 
 
@@ -87,12 +94,12 @@ HTTP = Probe(http=HttpCheck(port=8000), period_seconds=1.0, failure_threshold=2)
 TEMPLATE = LaunchRequest(launch_id="slot-a", argv=("worker",), env={}, run_dir="/run", log_dir="/logs")
 
 
-def make(spec: WorkerSpec, probe_results: list[bool] | None = None, **kw):
+def make(spec: WorkerSpec, probe_results: list[bool] | list[ProbeResult] | None = None, **kw):
     clock, launcher, cgroup = Clock(), FakeLauncher(), FakeCgroup()
     results = probe_results if probe_results is not None else []
     checked: list[Probe] = []
 
-    def check(probe: Probe, host: str) -> bool:
+    def check(probe: Probe, host: str) -> bool | ProbeResult:
         checked.append(probe)
         return results.pop(0) if results else True
 
@@ -320,6 +327,69 @@ def test_a_worker_not_ready_by_its_startup_timeout_is_stopped_and_counted_as_fai
     status = sup.tick()
     assert status.phase is Phase.BACKOFF
     assert status.consecutive_failures == 1
+
+
+def test_the_exit_after_a_startup_timeout_reads_as_the_agents_stop_not_as_the_workers_verdict():
+    spec = WorkerSpec(command=("w",), readiness=HTTP, startup_timeout_seconds=2, restart="never")
+    sup, clock, launcher, _, _ = make(spec, probe_results=[False] * 20)
+    sup.start()
+    for _ in range(3):
+        clock.now += 1.0
+        sup.tick()
+    launcher.launched[-1].exit = exited(0)  # a server that handles SIGTERM well exits 0
+    status = sup.tick()
+    assert status.phase is Phase.FAILED
+    assert status.last_exit is not None
+    assert status.last_exit.stopped_by == "not ready within its startup timeout of 2s"
+    assert status.last_exit.describe() == (
+        "stopped by the agent (not ready within its startup timeout of 2s), then exited with status 0"
+    )
+    assert ExitRecord.from_json(status.last_exit.to_json()) == status.last_exit
+
+
+NOT_FOUND = ProbeResult(False, True, "GET /v2/models/m/ready: HTTP 404", 0.0)
+REFUSED = ProbeResult(False, False, "connection refused: nothing listens on 127.0.0.1:8000", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("definite_in_row", "interval"),
+    [(0, 0.05), (1, 0.05), (2, 0.1), (3, 0.2), (4, 0.4), (5, 0.8), (6, 1.0), (60, 1.0)],
+)
+def test_the_startup_probe_backs_off_while_the_server_answers_not_ready(definite_in_row, interval):
+    assert startup_interval(Probe(http=HttpCheck(port=8000)), definite_in_row) == pytest.approx(interval)
+
+
+def test_the_back_off_never_makes_the_startup_probe_slower_than_its_period_or_faster_than_its_start():
+    probe = Probe(http=HttpCheck(port=8000), period_seconds=0.3, startup_period_seconds=0.05)
+    assert startup_interval(probe, 60) == DEFINITE_BACKOFF_MAX_SECONDS  # the caller keeps the period
+    slow_start = Probe(http=HttpCheck(port=8000), startup_period_seconds=2.0, period_seconds=10)
+    assert startup_interval(slow_start, 60) == 2.0
+
+
+def test_a_server_that_answers_not_ready_is_asked_less_often_one_that_is_not_listening_as_often():
+    probe = Probe(http=HttpCheck(port=8000), period_seconds=10.0)
+    for results, expected in ((NOT_FOUND, 1.0), (REFUSED, 0.05)):
+        sup, clock, _, _, checked = make(
+            WorkerSpec(command=("w",), readiness=probe), probe_results=[results] * 2000
+        )
+        sup.start()
+        end = clock.now + 20.0
+        while clock.now < end:
+            sup.tick()
+            clock.now += 0.01
+        per_second = len(checked) / 20.0
+        assert per_second == pytest.approx(1 / expected, rel=0.25), per_second
+        status = sup.status()
+        assert status.last_probe == results
+        assert status.ready_when == "probe"
+        assert status.to_json()["last_probe"]["detail"] == results.detail
+
+
+def test_a_worker_without_a_readiness_probe_is_running_once_started_and_says_so():
+    sup, _, _, _, _ = make(WorkerSpec(command=("w",)))
+    sup.start()
+    status = sup.tick()
+    assert (status.phase, status.ready_when, status.last_probe) == (Phase.RUNNING, "started", None)
 
 
 def test_an_adopted_worker_without_a_readiness_probe_is_running_at_once():
