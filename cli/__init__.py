@@ -55,6 +55,11 @@ COMMANDS: dict[str, LazyCommand] = {
         "nodeagent.cli.cmd_topology",
         "Show the CPUs (by socket, NUMA node and core), NUMA memory, GPUs and FPGAs of this host.",
     ),
+    "uninstall": LazyCommand(
+        "nodeagent.cli.cmd_uninstall",
+        "Remove what a stopped agent left on this host (cgroup parents, firewall table, CDI specs, "
+        "keeper) and put the host back.",
+    ),
 }
 
 

@@ -161,6 +161,9 @@ def stop_keeper(directory: Path, timeout: float = 10.0) -> ProcessIdentity | Non
     pidfd = None if identity is None else open_verified_pidfd(identity)
     if pidfd is None:
         return None
+    if fd_fired(pidfd):  # it ended already (a zombie its parent has not reaped yet): none runs
+        os.close(pidfd)
+        return None
     try:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):

@@ -28,7 +28,7 @@ import pytest
 
 from nodeagent.cgroups import detect
 from nodeagent.cpulist import parse_cpulist
-from tests.daemon import DaemonProcess, free_port, wait_until
+from tests.daemon import DaemonProcess, free_port, keeper_status, nodeagent_argv, wait_until
 from tests.workerpy import worker_visible
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -412,3 +412,67 @@ def test_a_worker_sees_every_change_of_its_slots_cpus(daemon: Daemon, worker_pyt
     assert client.delete(f"/v1/slots/{b['id']}").status_code == 204
     client.close()
     assert daemon.stop() == 0, daemon.log_tail()
+
+
+def uninstall(daemon: Daemon, *extra: str) -> subprocess.CompletedProcess[str]:
+    argv = [*nodeagent_argv(), "uninstall", "--config", str(daemon.config), "--state-dir", str(daemon.state)]
+    return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_uninstall_refuses_while_the_agent_runs_or_slots_exist_then_hands_the_host_back(
+    daemon: Daemon,
+) -> None:
+    client = daemon.start()
+    request = {
+        "name": "natest-left",
+        "qos": "burstable",
+        "resources": {"cpus": 0.2, "memory": "32Mi", "network": {}},
+        "worker": {"command": ["/bin/sleep", "600"]},
+    }
+    created = client.post("/v1/slots", json=request)
+    assert created.status_code == 201, created.text
+    slot = wait_for_phase(client, created.json()["id"], "running")
+    daemon.remember(slot)
+    worker = int(slot["worker"]["pid"])
+
+    running = uninstall(daemon)
+    assert running.returncode == 1
+    assert "another nodeagent" in running.stderr
+    assert "stop it first" in running.stderr
+
+    client.close()
+    assert daemon.stop() == 0, daemon.log_tail()
+    refused = uninstall(daemon)
+    assert refused.returncode == 1
+    assert f"natest-left ({slot['id']})" in refused.stderr
+    assert "--release-slots" in refused.stderr
+    assert not process_gone(worker), "a refused uninstall must not touch the slot"
+    assert our_firewall_table()
+    assert our_netns()
+    assert slot_cgroup_dirs()
+
+    done = uninstall(daemon, "--release-slots")
+    assert done.returncode == 0, done.stderr
+    assert f"released slots: {slot['id']}" in done.stdout
+    assert "stopped the host keeper" in done.stdout
+    assert f"removed the cgroup parent {PARENT}" in done.stdout
+    assert f"removed the nftables table inet {FIREWALL_TABLE}" in done.stdout
+    wait_until("the slot's worker to be gone", lambda: process_gone(worker), timeout=10)
+    assert not parent_dirs()
+    assert not our_firewall_table()
+    assert our_netns() == []
+    assert our_veths() == []
+    assert keeper_status(daemon.keeper_dir) is None
+
+    again = uninstall(daemon, "--json")
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)
+    assert (report["released"], report["cgroup_parent"], report["firewall_table"], report["keeper_pid"]) == (
+        [],
+        None,
+        None,
+        None,
+    )
+    restarted = daemon.start()
+    assert restarted.get("/v1/slots").json()["slots"] == []  # the slot left the database too
+    restarted.close()
