@@ -110,7 +110,6 @@ def _describe(a: Assignment) -> str:
     return f"{cpus} on NUMA {list(a.numa_nodes)}, {a.memory_bytes} bytes{extra}"
 
 
-
 # =========================================================================== the manager
 
 
@@ -507,9 +506,14 @@ class SlotManager:
         with self._store.transaction():
             self._store.delete_slot(slot.id)
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
-        self._worker_status.pop(slot.id, None)
+        status = self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
-        self._runtime.discard(slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None)
+        # Why a worker that is not running is not (a launch that failed wrote nothing of its own).
+        said = status is not None and status.phase not in ALIVE_PHASES and status.message
+        word = f"worker {status.phase}: {status.message}" if said and status is not None else None
+        self._runtime.discard(
+            slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None, last_word=word
+        )
         self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)

@@ -33,7 +33,13 @@ def worker_log_entries(
                 f"{err}; a released slot's logs are kept for [workers] log_retention_seconds "
                 f"({manager._log_retention:g}s here)"
             ) from None
-        output = manager._runtime.log_lines(kept, lines, complete_only=since is not None)
+        try:
+            output = manager._runtime.log_lines(kept, lines, complete_only=since is not None)
+        except NotFound:
+            output = []  # its worker never wrote anything (it never launched)
+        last_word = manager._runtime.released_word(kept)
+        if since is None and last_word and lines:
+            output = [*output, LogLine("agent", last_word)][-lines:]
         return kept, _since(output, since)
     worker = slot.worker
     said = lines and worker is not None and worker.phase not in ALIVE_PHASES and worker.message

@@ -350,8 +350,11 @@ def logs_command(ctx: click.Context, slot_id: str, lines: int, follow: bool, as_
     if not follow:
         return
     try:
-        while True:
+        released = False
+        while not released:
             time.sleep(FOLLOW_POLL_SECONDS)
+            # Asked before the lines: whatever the worker wrote before its release is read after.
+            released = not _slot_exists(client, slot_id)
             try:
                 entries = client.log_entries(slot_id, MAX_FOLLOW_LINES, since=last or EPOCH)
             except NotFound:
@@ -359,6 +362,14 @@ def logs_command(ctx: click.Context, slot_id: str, lines: int, follow: bool, as_
             last = _print_entries(entries, as_json, last)
     except KeyboardInterrupt:
         return
+
+
+def _slot_exists(client: AgentClient, slot_id: str) -> bool:
+    try:
+        client.get_slot(slot_id)
+    except NotFound:
+        return False
+    return True
 
 
 #: How often --follow asks for new lines: output shows within this long of being written.

@@ -108,13 +108,19 @@ class WorkerRuntime(Protocol):
         NotFound when there are none."""
         ...
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
+    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
         """The slot is gone: remove its worker directory; ``keep_logs_as`` (its name): keep its
-        logs among the released ones (:meth:`released_logs`) until :meth:`prune_released`."""
+        logs among the released ones (:meth:`released_logs`) until :meth:`prune_released`, with
+        ``last_word`` (the agent's last word on its worker), also when the worker never wrote
+        anything (it never launched)."""
         ...
 
     def released_logs(self, key: str) -> str | None:
         """The slot id of the newest kept logs of a released slot with this id or name."""
+        ...
+
+    def released_word(self, slot_id: str) -> str | None:
+        """The agent's last word on a released slot's worker, kept with its logs."""
         ...
 
     def prune_released(self, before: float) -> list[str]:
@@ -392,7 +398,7 @@ class KeeperRuntime:
         where = live if live.is_dir() else self._released / slot_id / "logs"
         return read_log(where, lines, complete_only=complete_only)
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
+    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
         if (self._dir / slot_id / CONTAINER_MARKER).exists():
             # Its container normally went with its worker (--rm); one whose podman was killed is
             # still in podman's store.
@@ -405,13 +411,21 @@ class KeeperRuntime:
                     # it (its cgroups went with the slot's) and --replace takes its name next time.
                     log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
         logs = self._dir / slot_id / "logs"
-        if keep_logs_as is not None and logs.is_dir():
+        if keep_logs_as is not None and (logs.is_dir() or last_word):
             kept = self._released / slot_id
             try:
                 kept.mkdir(parents=True, exist_ok=True, mode=0o700)
                 shutil.rmtree(kept / "logs", ignore_errors=True)
-                os.replace(logs, kept / "logs")
-                record = {"id": slot_id, "name": keep_logs_as, "released_at": time.time()}
+                if logs.is_dir():
+                    os.replace(logs, kept / "logs")
+                else:  # it never launched: the agent's word on why is all there is to keep
+                    (kept / "logs").mkdir(mode=0o700)
+                record = {
+                    "id": slot_id,
+                    "name": keep_logs_as,
+                    "released_at": time.time(),
+                    "last_word": last_word,
+                }
                 (kept / RELEASED_RECORD).write_text(json.dumps(record) + "\n")
             except OSError as err:  # the release goes on; only the kept copy is lost
                 log.warning("worker logs not kept", extra={"slot": slot_id, "reason": str(err)})
@@ -428,6 +442,14 @@ class KeeperRuntime:
                 if isinstance(record, dict):
                     found.append(record)
         return found
+
+    def released_word(self, slot_id: str) -> str | None:
+        try:
+            record = json.loads((self._released / slot_id / RELEASED_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        word = record.get("last_word") if isinstance(record, dict) else None
+        return word if isinstance(word, str) and word else None
 
     def released_logs(self, key: str) -> str | None:
         matches = [r for r in self._released_records() if key in (r.get("id"), r.get("name"))]

@@ -60,10 +60,54 @@ def test_follow_json_and_logs_after_release(daemon: Daemon) -> None:
     ticks = [int(e["text"].split()[1]) for e in entries if e["stream"] == "stdout"]
     assert ticks == list(range(ticks[0], ticks[0] + len(ticks))), "a line was skipped"
 
-    assert client.delete("/v1/slots/natest-logs").status_code == 204
+    # A follower started now ends by itself at the release, with the worker's last lines printed.
+    follower = subprocess.Popen(
+        [*argv, "logs", "natest-logs", "--follow", "--lines", "1"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert follower.stdout is not None
+        assert follower.stdout.readline()  # it follows
+        assert client.delete("/v1/slots/natest-logs").status_code == 204
+        follower.communicate(timeout=30)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(timeout=10)
+    assert follower.returncode == 0
     kept = daemon.cli("logs", "natest-logs", "--lines", "5")
     assert "tick" in kept
     released = client.get("/v1/slots/natest-logs/logs", params={"lines": 3}).json()
     assert released["id"] == slot["id"]
     assert len(released["entries"]) == 3
+    # --follow on a released slot prints what was kept and ends.
+    done = subprocess.run(
+        [*argv, "logs", "natest-logs", "--follow", "--lines", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 2
+    client.close()
+
+
+def test_a_slot_whose_worker_never_launched_keeps_the_agents_word_after_release(daemon: Daemon) -> None:
+    client = daemon.start()
+    request = {
+        "name": "natest-never",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": {"command": ["/bin/true"], "workdir": "/nonexistent-natest"},
+    }
+    assert client.post("/v1/slots", json=request).status_code == 201
+    wait_until(
+        "the launch to fail",
+        lambda: (client.get("/v1/slots/natest-never").json()["worker"] or {}).get("phase") == "failed",
+    )
+    assert client.delete("/v1/slots/natest-never").status_code == 204
+    kept = client.get("/v1/slots/natest-never/logs")
+    assert kept.status_code == 200, kept.text
+    (line,) = kept.json()["lines"]
+    assert line.startswith("[agent] worker failed: launch failed")
     client.close()

@@ -266,10 +266,13 @@ class FakeRuntime:
             for n in range(lines)
         ]
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None) -> None:
+    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
         return None
 
     def released_logs(self, key: str) -> str | None:
+        return None
+
+    def released_word(self, slot_id: str) -> str | None:
         return None
 
     def prune_released(self, before: float) -> list[str]:
