@@ -177,9 +177,6 @@ _UPDATED_SLOT_COLUMNS = (
 )
 
 
-
-
-
 @dataclass(frozen=True)
 class EventRecord:
     id: int
@@ -204,6 +201,16 @@ def _load(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+#: The agent's log names every slot event (allocated, released, resized, a worker's phase and why)
+#: in one structured line: the event log's kind, the slot and the message, for journald and log
+#: shippers that never read the database.
+events_log = logging.getLogger("nodeagent.events")
+
+
+def _log_event(kind: str, message: str, slot_id: str | None) -> None:
+    events_log.info(message, extra={"event": kind, "slot": slot_id})
+
+
 class StateStore:
     """The agent's database. Open once per process; close on shutdown."""
 
@@ -217,6 +224,8 @@ class StateStore:
         self._lock = threading.RLock()
         self._depth = 0
         self._durable = True
+        #: Events of the transaction under way, logged when it commits (:func:`_log_event`).
+        self._told: list[tuple[str, str, str | None]] = []
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -282,6 +291,7 @@ class StateStore:
             except sqlite3.Error as err:
                 raise self._write_error(err) from err
             self._depth = 1
+            self._told = []
             try:
                 yield
             except BaseException:
@@ -296,6 +306,8 @@ class StateStore:
                 if self._db.in_transaction:  # a failed COMMIT may already have rolled back
                     self._db.execute("ROLLBACK")
                 raise self._write_error(err) from err
+            for event in self._told:  # what happened is logged once it is the record
+                _log_event(*event)
 
     def _write(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> sqlite3.Cursor:
         with self.transaction():
@@ -511,9 +523,7 @@ class StateStore:
             for name, want in sorted(wanted.items()):
                 if name in result:
                     continue
-                number = next(
-                    (p for p in range(first, last + 1) if p not in taken and not in_use(p)), None
-                )
+                number = next((p for p in range(first, last + 1) if p not in taken and not in_use(p)), None)
                 if number is None:
                     raise Conflict(
                         f"port {name!r}: no free port left in [workers] port_range {first}-{last} "
@@ -570,8 +580,10 @@ class StateStore:
                 log.warning(
                     "event not stored: %s", message, extra={"kind": kind, "slot": slot_id, "reason": str(err)}
                 )
+            _log_event(kind, message, slot_id)
             return
         self._add_event(kind, message, slot_id)
+        self._told.append((kind, message, slot_id))
 
     def _add_event(self, kind: str, message: str, slot_id: str | None) -> None:
         with self.transaction(durable=False):

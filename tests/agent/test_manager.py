@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import signal
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -346,6 +347,18 @@ def test_allocate_applies_isolation_and_records_ready(make: Any, world: World) -
     assert world.cgroups[slot.id]["cpus"] == list(slot.assignment.cpus)
     assert manager.get_slot("web") == manager.get_slot(slot.id)
     assert not set(slot.assignment.cpus) & shared_pool(world)  # exclusive CPUs left the shared pool
+
+
+def test_every_slot_event_is_one_structured_line_of_the_agents_log(
+    make: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = make()
+    with caplog.at_level(logging.INFO, logger="nodeagent.events"):
+        slot = manager.allocate(parse_slot_request(guaranteed())).slot
+        manager.release(slot.id)
+    told = [(r.event, r.slot, r.getMessage()) for r in caplog.records if r.name == "nodeagent.events"]  # type: ignore[attr-defined]
+    assert [(kind, slot_id) for kind, slot_id, _ in told] == [("allocate", slot.id), ("release", slot.id)]
+    assert told[-1][2] == "slot 'web' released"
 
 
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
