@@ -86,7 +86,7 @@ from nodeagent.placement import (
 )
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
-from nodeagent.runtime.presets import FindProgram, resolve, wanted_ports
+from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import WorkerRuntime
@@ -671,7 +671,12 @@ class SlotManager:
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
         ports = self._assign_ports(slot.id, spec)
-        resolved = resolve(spec, {p.name: p.port for p in ports}, find=self._find_program)
+        resolved = resolve(
+            spec,
+            {p.name: p.port for p in ports},
+            find=self._find_program,
+            listen_on=bind_address(own_network=slot.network is not None),
+        )
         sandbox = None
         if self._sandbox is not None and self._sandbox.active:
             # The slot's own uid, kept in the database while the slot exists (freed with its row).

@@ -42,8 +42,9 @@ class PresetPort:
 @dataclass(frozen=True)
 class Preset:
     """How to run and probe one kind of server. In every string ``{port:NAME}``, ``{model}``,
-    ``{repo}`` are filled in when the worker is bound to its slot, ``{threads}`` (the slot's CPUs,
-    or its quota rounded up) and ``{files}`` (its files directory) at launch."""
+    ``{repo}`` and ``{bind}`` (the address the server listens on: :func:`bind_address`) are filled
+    in when the worker is bound to its slot, ``{threads}`` (the slot's CPUs, or its quota rounded
+    up) and ``{files}`` (its files directory) at launch."""
 
     #: The server's program and arguments; empty: the spec's own ``command`` runs (a server that is
     #: a Python file of the user's, say), followed by ``args``.
@@ -55,6 +56,11 @@ class Preset:
     live_path: str
     #: Added after the program (or after the spec's own command when the preset has no program).
     args: tuple[str, ...] = ()
+    #: Added after ``args`` when the spec names its model (``{model}``): how the server learns it.
+    model_args: tuple[str, ...] = ()
+    #: Whether the server can be told where to listen (``{bind}``); False: it listens on every
+    #: interface whatever it is told (KServe's REST and gRPC servers), which its docs say.
+    binds: bool = True
     env: tuple[tuple[str, str], ...] = ()
     files: tuple[tuple[str, str], ...] = ()
     #: The port the model's readiness probe checks.
@@ -70,17 +76,17 @@ class Preset:
 
 
 #: TorchServe reads its addresses only from a properties file; this one is written for each start.
-#: 0.0.0.0: the slot's network namespace, when it has one, is what keeps the ports off the host's
-#: interfaces, and the agent's probes reach the slot's address. Its two gRPC servers too: left
-#: out, they bind 7070 and 7071 and a second TorchServe on the host fails to start.
+#: {bind}: loopback for a slot in the host's network namespace, every address of the slot's own
+#: namespace otherwise (the agent's probes reach the slot's address). Its two gRPC servers too:
+#: left out, they bind 7070 and 7071 and a second TorchServe on the host fails to start.
 #: -XX:-UsePerfData: no /tmp/hsperfdata_<user>.
 TORCHSERVE_PROPERTIES = """\
-inference_address=http://0.0.0.0:{port:http}
-management_address=http://0.0.0.0:{port:management}
-metrics_address=http://0.0.0.0:{port:metrics}
-grpc_inference_address=0.0.0.0
+inference_address=http://{bind}:{port:http}
+management_address=http://{bind}:{port:management}
+metrics_address=http://{bind}:{port:metrics}
+grpc_inference_address={bind}
 grpc_inference_port={port:grpc}
-grpc_management_address=0.0.0.0
+grpc_management_address={bind}
 grpc_management_port={port:grpc_management}
 number_of_netty_threads={threads}
 netty_client_threads={threads}
@@ -96,6 +102,9 @@ PRESETS: dict[str, Preset] = {
             "--http-port={port:http}",
             "--grpc-port={port:grpc}",
             "--metrics-port={port:metrics}",
+            "--http-address={bind}",
+            "--grpc-address={bind}",
+            "--metrics-address={bind}",
             # Triton's HTTP front end and model loads sized to the slot, not to the host; and the
             # Python backend's request pool (32 threads by default, per model instance: 52 threads
             # for one tiny model in a 1-CPU slot, 21 with this; ignored when no model uses it).
@@ -167,6 +176,7 @@ PRESETS: dict[str, Preset] = {
         # wins over them: leave ports out of it). No parallel worker processes by default: each
         # one is a second copy of the model in memory; a request may set MLSERVER_PARALLEL_WORKERS.
         env=(
+            ("MLSERVER_HOST", "{bind}"),  # its HTTP, gRPC and metrics servers alike
             ("MLSERVER_HTTP_PORT", "{port:http}"),
             ("MLSERVER_GRPC_PORT", "{port:grpc}"),
             ("MLSERVER_METRICS_PORT", "{port:metrics}"),
@@ -181,6 +191,11 @@ PRESETS: dict[str, Preset] = {
         # kserve's own argument parser reads these.
         program=(),
         args=("--http_port={port:http}", "--grpc_port={port:grpc}", "--workers=1", "--max_threads={threads}"),
+        # kserve's parser gives the model its name (default "model"): the user's file passes
+        # args.model_name to its kserve.Model, and the readiness path names the same model.
+        model_args=("--model_name={model}",),
+        # Its REST server binds 0.0.0.0 and its gRPC server [::], whatever it is told.
+        binds=False,
         ports=(PresetPort("http", "http", 8080), PresetPort("grpc", "grpc", 8081)),
         model_ready_path="/v2/models/{model}/ready",
         server_ready_path=OIP_READY_PATH,
@@ -217,7 +232,19 @@ def find_program(name: str, path: str) -> str | None:
     return shutil.which(name, path=path)
 
 
-def _fill(template: str, spec: WorkerSpec) -> str:
+#: Where a server in a slot without a network namespace of its own listens: the host's loopback
+#: only (its endpoints say 127.0.0.1); a slot's own namespace is the boundary there instead.
+LOOPBACK = "127.0.0.1"
+EVERY_ADDRESS = "0.0.0.0"  # noqa: S104 - inside the slot's own network namespace
+
+
+def bind_address(own_network: bool) -> str:
+    """The address a preset's server listens on: every address of the slot's own network
+    namespace, or the host's loopback for a slot that shares the host's network."""
+    return EVERY_ADDRESS if own_network else LOOPBACK
+
+
+def _fill(template: str, spec: WorkerSpec, bind: str = LOOPBACK) -> str:
     if "{model}" in template and spec.model_name is None:
         raise InvalidRequest(
             f"worker spec: model_name is missing; preset {spec.preset!r} needs the model's name"
@@ -227,7 +254,8 @@ def _fill(template: str, spec: WorkerSpec) -> str:
             f"worker spec: model_repository is missing; preset {spec.preset!r} needs the path of the "
             "model repository"
         )
-    return template.replace("{model}", spec.model_name or "").replace("{repo}", spec.model_repository or "")
+    filled = template.replace("{model}", spec.model_name or "").replace("{repo}", spec.model_repository or "")
+    return filled.replace("{bind}", bind)
 
 
 def wanted_ports(spec: WorkerSpec) -> dict[str, PortWant]:
@@ -289,7 +317,11 @@ def _ready_probe(preset: Preset, spec: WorkerSpec) -> Probe:
 
 
 def resolve(
-    spec: WorkerSpec, ports: Mapping[str, int] | None = None, *, find: FindProgram | None = None
+    spec: WorkerSpec,
+    ports: Mapping[str, int] | None = None,
+    *,
+    find: FindProgram | None = None,
+    listen_on: str = LOOPBACK,
 ) -> WorkerSpec:
     """The spec as the runtime runs it: the preset's command, arguments, environment, files and
     probes where the spec has none (the spec's own always win, and its ``args``, ``env`` and
@@ -298,7 +330,8 @@ def resolve(
     up now, run it by its absolute path, and refuse the spec when it is missing.
 
     InvalidRequest when the preset needs a field the spec lacks, something refers to a port the
-    worker does not have, or (with ``find``) the program is not there."""
+    worker does not have, or (with ``find``) the program is not there. ``listen_on``: where the
+    server listens (:func:`bind_address`)."""
     if spec.container is not None:
         return spec  # its image knows its program, and the schema refuses a preset beside a container
     numbers = preview_ports(spec) if ports is None else dict(ports)
@@ -309,8 +342,10 @@ def resolve(
     command = spec.command
     extra: tuple[str, ...] = ()
     if preset is not None and (command is None or not preset.program):
-        command = command or tuple(_fill(arg, spec) for arg in preset.program)
-        extra = tuple(_fill(arg, spec) for arg in preset.args)
+        command = command or tuple(_fill(arg, spec, listen_on) for arg in preset.program)
+        extra = tuple(_fill(arg, spec, listen_on) for arg in preset.args)
+        if spec.model_name is not None:
+            extra += tuple(_fill(arg, spec, listen_on) for arg in preset.model_args)
     if not command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
@@ -326,8 +361,8 @@ def resolve(
     update["command"] = (*command, *extra, *spec.args)
     update["args"] = ()
     if preset is not None:
-        update["env"] = {**{k: _fill(v, spec) for k, v in preset.env}, **spec.env}
-        update["files"] = {**{k: _fill(v, spec) for k, v in preset.files}, **spec.files}
+        update["env"] = {**{k: _fill(v, spec, listen_on) for k, v in preset.env}, **spec.env}
+        update["files"] = {**{k: _fill(v, spec, listen_on) for k, v in preset.files}, **spec.files}
         if preset.probe_port in numbers and _health_port(preset) in numbers:
             update["readiness"] = spec.readiness or _ready_probe(preset, spec)
             update["liveness"] = spec.liveness or Probe(
@@ -342,10 +377,13 @@ def resolve(
 
 
 __all__ = [
+    "EVERY_ADDRESS",
+    "LOOPBACK",
     "PRESETS",
     "FindProgram",
     "Preset",
     "PresetPort",
+    "bind_address",
     "find_program",
     "preview_ports",
     "resolve",

@@ -8,7 +8,7 @@ import pytest
 
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
-from nodeagent.runtime.presets import resolve
+from nodeagent.runtime.presets import EVERY_ADDRESS, LOOPBACK, resolve
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.schema.worker import ProbeKind, RestartPolicy, parse_worker_spec
 
@@ -119,17 +119,52 @@ def test_presets_fill_command_and_probes(raw, argv0, ready_path, port):
 
 
 def test_preset_keeps_what_the_spec_sets():
-    spec = resolve(parse_worker_spec(
-        {
-            "preset": "triton",
-            "model_repository": "/m",
-            "command": ["my-triton"],
-            "readiness": {"tcp": {"port": 1}},
-        }
-    ))
+    spec = resolve(
+        parse_worker_spec(
+            {
+                "preset": "triton",
+                "model_repository": "/m",
+                "command": ["my-triton"],
+                "readiness": {"tcp": {"port": 1}},
+            }
+        )
+    )
     assert spec.command == ("my-triton",)
     assert spec.readiness is not None
     assert spec.readiness.kind is ProbeKind.TCP
+
+
+@pytest.mark.parametrize("listen_on", [LOOPBACK, EVERY_ADDRESS])
+def test_presets_listen_where_the_endpoints_say(listen_on: str) -> None:
+    """Loopback for a slot in the host's network namespace (its endpoints say 127.0.0.1), every
+    address of the slot's own namespace otherwise."""
+    triton = resolve(parse_worker_spec({"preset": "triton", "model_repository": "/m"}), listen_on=listen_on)
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert f"{flag}={listen_on}" in triton.command
+    torchserve = resolve(
+        parse_worker_spec({"preset": "torchserve", "model_repository": "/m", "model_name": "bert"}),
+        listen_on=listen_on,
+    )
+    properties = torchserve.files["config.properties"]
+    for key in ("inference_address", "management_address", "metrics_address"):
+        assert f"{key}=http://{listen_on}:" in properties
+    for key in ("grpc_inference_address", "grpc_management_address"):
+        assert f"{key}={listen_on}\n" in properties
+    mlserver = resolve(
+        parse_worker_spec({"preset": "mlserver", "model_repository": "/m"}), listen_on=listen_on
+    )
+    assert mlserver.env["MLSERVER_HOST"] == listen_on
+
+
+def test_the_kserve_preset_names_the_model_to_kserves_parser() -> None:
+    named = resolve(
+        parse_worker_spec({"preset": "kserve", "command": ["python", "model.py"], "model_name": "iris"})
+    )
+    assert named.command[-1] == "--model_name=iris"
+    assert named.readiness is not None
+    assert named.readiness.path == "/v2/models/iris/ready"
+    unnamed = resolve(parse_worker_spec({"preset": "kserve", "command": ["python", "model.py"]}))
+    assert not any(arg.startswith("--model_name") for arg in unnamed.command)
 
 
 SLOT = SlotDescription(
