@@ -8,6 +8,7 @@ the spec's own values always win, and binds the worker's named ports (the preset
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ class Preset:
     #: The server's backends next to its program (Triton: <prefix>/bin/tritonserver and
     #: <prefix>/backends): added as this flag when the program is found and the directory exists.
     backend_flag: str | None = None
+    #: What must exist for the server to find its model, checked when the spec is submitted (a
+    #: typo fails the request with the path named, not every start): directories, then files.
+    model_dirs: tuple[str, ...] = ()
+    model_files: tuple[str, ...] = ()
 
 
 #: TorchServe reads its addresses only from a properties file; this one is written for each start.
@@ -121,6 +126,7 @@ PRESETS: dict[str, Preset] = {
         server_ready_path=OIP_READY_PATH,
         live_path=OIP_LIVE_PATH,
         backend_flag="--backend-directory",
+        model_dirs=("{repo}",),
     ),
     "torchserve": Preset(
         # --ncs: no config snapshots (state the next start would read instead of this request).
@@ -148,6 +154,8 @@ PRESETS: dict[str, Preset] = {
         live_path="/ping",
         probe_port="management",
         health_port="http",
+        model_dirs=("{repo}",),
+        model_files=("{repo}/{model}.mar",),
     ),
     "tfserving": Preset(
         program=(
@@ -164,6 +172,7 @@ PRESETS: dict[str, Preset] = {
         model_ready_json=("model_version_status.0.state", "AVAILABLE"),
         server_ready_path="/v1/models/{model}",
         live_path="/v1/models/{model}",
+        model_dirs=("{repo}", "{repo}/{model}"),
     ),
     "mlserver": Preset(
         program=("mlserver", "start", "{repo}"),
@@ -185,6 +194,7 @@ PRESETS: dict[str, Preset] = {
         model_ready_path="/v2/models/{model}/ready",
         server_ready_path=OIP_READY_PATH,
         live_path=OIP_LIVE_PATH,
+        model_dirs=("{repo}",),
     ),
     "kserve": Preset(
         # KServe's model server is the user's Python file (a kserve.Model and ModelServer().start);
@@ -300,6 +310,27 @@ def _locate(command: tuple[str, ...], spec: WorkerSpec, find: FindProgram) -> st
     return found
 
 
+def check_model_files(preset: Preset, spec: WorkerSpec) -> None:
+    """InvalidRequest naming the path when what the server needs to find its model is not there
+    (as the agent sees the file system; the worker's sandbox shows the same, less what it hides)."""
+    for template, wanted, is_there in (
+        *((t, "directory", os.path.isdir) for t in preset.model_dirs),
+        *((t, "file", os.path.isfile) for t in preset.model_files),
+    ):
+        if "{model}" in template and spec.model_name is None:
+            continue  # the server serves whatever the repository holds
+        path = _fill(template, spec)
+        if not is_there(path):
+            raise InvalidRequest(
+                f"worker spec: preset {spec.preset!r} needs the {wanted} {path}, and there is none; "
+                + (
+                    "check model_repository and model_name"
+                    if "{model}" in template
+                    else "check model_repository"
+                )
+            )
+
+
 def _health_port(preset: Preset) -> str:
     return preset.health_port or preset.probe_port
 
@@ -353,6 +384,8 @@ def resolve(
     update: dict[str, Any] = {}
     if find is not None:
         program = _locate(command, spec, find)
+        if preset is not None and spec.command is None:
+            check_model_files(preset, spec)
         command = (program, *command[1:])
         if preset is not None and preset.backend_flag and spec.command is None:
             backends = Path(program).resolve().parent.parent / "backends"
@@ -384,6 +417,7 @@ __all__ = [
     "Preset",
     "PresetPort",
     "bind_address",
+    "check_model_files",
     "find_program",
     "preview_ports",
     "resolve",

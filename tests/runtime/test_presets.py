@@ -46,7 +46,10 @@ def test_triton_runs_on_its_ports_sized_to_the_slot_with_its_backends(tmp_path: 
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
     bin_dir = str(prefix / "bin")
-    spec = spec_of(preset="triton", model_repository="/models", model_name="resnet", path=[bin_dir])
+    (tmp_path / "models").mkdir()
+    spec = spec_of(
+        preset="triton", model_repository=str(tmp_path / "models"), model_name="resnet", path=[bin_dir]
+    )
     run = resolve(spec, ports_for(spec), find=find_program)
     assert run.command is not None
     assert run.command[0] == str(program)
@@ -90,9 +93,9 @@ def test_torchserve_gets_a_config_file_with_its_ports_and_probes_the_models_stat
     assert "--ts-config={files}/config.properties" in run.command
     assert "--models=bert=bert.mar" in run.command
     properties = run.files["config.properties"]
-    assert "inference_address=http://0.0.0.0:21000" in properties
-    assert "management_address=http://0.0.0.0:21003" in properties
-    assert "metrics_address=http://0.0.0.0:21002" in properties
+    assert "inference_address=http://127.0.0.1:21000" in properties
+    assert "management_address=http://127.0.0.1:21003" in properties
+    assert "metrics_address=http://127.0.0.1:21002" in properties
     # Its gRPC servers on the slot's ports too (not 7070/7071, which a second TorchServe also takes).
     assert "grpc_inference_port=21001" in properties
     assert "grpc_management_port=21004" in properties
@@ -150,6 +153,7 @@ def test_kserve_runs_the_users_model_file_with_the_servers_arguments() -> None:
         "--grpc_port=21001",
         "--workers=1",
         "--max_threads={threads}",
+        "--model_name=m",
         "--x",
     )
     assert run.readiness is not None
@@ -190,3 +194,31 @@ def test_the_launch_fills_in_threads_and_files_and_writes_the_files(tmp_path: Pa
     # A new spec for the slot: files it no longer names go.
     build_launch_request(spec_of(command=["srv"]), slot, SlotBinding(cgroup_procs=()), tmp_path / "w")
     assert not (files / "a.conf").exists()
+
+
+@pytest.mark.parametrize(
+    ("raw", "missing"),
+    [
+        ({"preset": "triton", "model_repository": "{tmp}/nope"}, "the directory {tmp}/nope"),
+        ({"preset": "mlserver", "model_repository": "{tmp}/nope"}, "the directory {tmp}/nope"),
+        (
+            {"preset": "torchserve", "model_repository": "{tmp}", "model_name": "bret"},
+            "the file {tmp}/bret.mar",
+        ),
+        ({"preset": "tfserving", "model_repository": "{tmp}", "model_name": "wd"}, "the directory {tmp}/wd"),
+    ],
+)
+def test_what_a_server_needs_to_find_its_model_is_checked_at_submit(
+    tmp_path: Path, raw: dict[str, Any], missing: str
+) -> None:
+    filled = {k: v.replace("{tmp}", str(tmp_path)) for k, v in raw.items()}
+    spec = spec_of(**filled)
+    expected = missing.replace("{tmp}", str(tmp_path))
+    with pytest.raises(InvalidRequest, match=f"needs {expected}, and there is none"):
+        resolve(spec, ports_for(spec), find=lambda name, path: f"/x/{name}")
+
+
+def test_a_model_store_that_holds_the_archive_passes(tmp_path: Path) -> None:
+    (tmp_path / "bert.mar").write_bytes(b"")
+    spec = spec_of(preset="torchserve", model_repository=str(tmp_path), model_name="bert")
+    assert resolve(spec, ports_for(spec), find=lambda name, path: f"/x/{name}").command is not None
