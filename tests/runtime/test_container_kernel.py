@@ -21,6 +21,7 @@ import httpx
 import jsonschema
 import pytest
 
+from nodeagent.cpulist import format_cpulist
 from nodeagent.runtime.container import container_name
 from tests.containers import (
     ALLOWED,
@@ -251,8 +252,17 @@ def test_a_shared_container_slot_follows_the_pool_when_it_shrinks(daemon: Daemon
     status = Path(f"/proc/{pid}/status").read_text()
     allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
     assert not {int(c) for c in allowed.replace("-", ",").split(",")} & taken
-    for name in ("exclusive", "shared"):
-        assert client.delete(f"/v1/slots/{name}").status_code == 204
+    # ... and grows back with the pool once the exclusive slot is gone, threads included.
+    assert client.delete("/v1/slots/exclusive").status_code == 204
+    pool = client.get(f"/v1/slots/{slot_id}").json()["assignment"]["cpus"]
+    wanted = format_cpulist(frozenset(pool))
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(
+            line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")
+        )
+        assert allowed == wanted, f"task {task.name} of the container runs on {allowed}, the pool is {wanted}"
+    assert client.delete("/v1/slots/shared").status_code == 204
     client.close()
 
 
