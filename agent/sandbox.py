@@ -36,6 +36,7 @@ from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.launch import resolve_identity
 from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, SandboxSupport, missing_for, probe
 from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT, ROOT_CAPABILITIES
+from nodeagent.runtime.sandbox.paths import describe, lexical, meets_hidden
 from nodeagent.runtime.sandbox.seccomp import restricted_syscalls
 from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES
 from nodeagent.schema.quantity import parse_quantity
@@ -106,6 +107,7 @@ class SandboxPolicy:
     def check(self, spec: WorkerSpec) -> None:
         """Refuse a worker spec the configuration does not allow (InvalidRequest) or this host
         cannot confine as asked (Unsupported), before anything is placed or launched."""
+        self.check_paths(spec)
         if not self.active:
             return
         self._check_identity(spec)
@@ -145,7 +147,7 @@ class SandboxPolicy:
         if spec.workdir is not None and self._unreachable(spec.workdir):
             raise InvalidRequest(
                 f"worker.workdir {spec.workdir!r} is not reachable inside the sandbox (it has its own "
-                "/tmp, /dev and /dev/shm, and the agent hides its state); use a directory outside them"  # noqa: S108
+                "/tmp, /dev and /dev/shm); use a directory outside them"  # noqa: S108
             )
         assert self.support is not None
         lacking = missing_for(self.spec_for(spec, uid=_MAX_UID, devices=()), self.support)
@@ -179,9 +181,30 @@ class SandboxPolicy:
                     + "; leave user out to get the slot's own uid"
                 )
 
+    def check_paths(self, spec: WorkerSpec) -> None:
+        """Refuse (InvalidRequest) a host path of the request that is, lies inside or (for a
+        container mount's source, which shows what is below it) contains a hidden path, whatever
+        its spelling (runtime.sandbox.paths); also with the sandbox off, where a container's mounts
+        are the one way a worker that is not root reaches the state database."""
+        if spec.workdir is not None:
+            met = meets_hidden(spec.workdir, self.hidden, above=False)
+            if met is not None:
+                raise InvalidRequest(describe("worker.workdir", spec.workdir, met))
+        if spec.container is None:
+            return
+        for index, mount in enumerate(spec.container.mounts):
+            met = meets_hidden(mount.source, self.hidden)
+            if met is not None:
+                raise InvalidRequest(describe(f"worker.container.mounts[{index}].source", mount.source, met))
+            if lexical(mount.target) == "/":
+                raise InvalidRequest(
+                    f"worker.container.mounts[{index}].target {mount.target!r} is the container's root; "
+                    "mount below it"
+                )
+
     def _unreachable(self, path: str) -> bool:
-        covered = ("/tmp", "/dev/shm", "/dev", *self.hidden)  # noqa: S108 - mount points, not files
-        return any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered)
+        covered = ("/tmp", "/dev/shm", "/dev")  # noqa: S108 - mount points, not files
+        return meets_hidden(path, covered, above=False) is not None
 
     # ------------------------------------------------------------------ the spec
 
