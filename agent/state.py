@@ -204,6 +204,17 @@ def _load(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
+def _private_file(path: Path) -> None:
+    """Make the database file 0600 before SQLite opens it, whatever the umask: it holds every
+    slot's env (secrets among them), and SQLite gives its WAL and shared-memory files the mode of
+    the database file (those of an older agent are narrowed too)."""
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if name == path:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(name, 0o600)
+
+
 class StateStore:
     """The agent's database. Open once per process; close on shutdown."""
 
@@ -218,6 +229,7 @@ class StateStore:
         self._depth = 0
         self._durable = True
         try:
+            _private_file(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -229,7 +241,7 @@ class StateStore:
             # grown while the disk filled up would otherwise keep the space when it frees up.
             self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._migrate()
-        except sqlite3.Error as err:
+        except (sqlite3.Error, OSError) as err:
             raise StateError(
                 f"cannot open the state database {path}: {err}; check the state directory"
             ) from err

@@ -458,7 +458,7 @@ class Keeper(WorkerCustody):
         run_dir, log_dir = Path(req.run_dir), Path(req.log_dir)
         for directory in (run_dir, log_dir):
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as err:
                 log(f"cannot create {directory} for worker {child.identity.pid}: {err}")
         fifos = []

@@ -155,7 +155,10 @@ def build_launch_request(
     worker_dir = Path(os.path.realpath(worker_dir))  # shown again by path inside the sandbox
     view = worker_dir / "view"
     try:
-        view.mkdir(parents=True, exist_ok=True, mode=0o755)
+        # The agent's (0700, whatever the umask): run/ and logs/ are not the worker's to see; a
+        # sandboxed worker reaches view/ through its own bind mount, not through this directory.
+        worker_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        view.mkdir(exist_ok=True, mode=0o755)
         view.chmod(0o755)  # root's: the worker may not replace what is in it
     except OSError as err:
         raise translate_os_error(f"prepare worker directory {view}", err, KernelError) from err

@@ -32,6 +32,11 @@ LOG_FILE = "worker.log"
 STREAMS = ("stdout", "stderr")
 #: Longest content of one record; a longer line is cut into partial records (containerd: 16 KiB).
 MAX_RECORD_CONTENT = 16 * 1024
+#: The most of the log files one read takes in (the newest records first): what an answer and the
+#: agent's memory for it are bounded by, whatever the lines asked for and however long they are.
+MAX_READ_BYTES = 4 * 1024 * 1024
+#: The longest line an answer shows; the rest of a longer one is cut and said so.
+MAX_LINE_BYTES = 64 * 1024
 _FULL = b"F"
 _PARTIAL = b"P"
 
@@ -82,7 +87,8 @@ class RotatingLog:
         self._size = os.fstat(self._fd).st_size
 
     def _open(self) -> int:
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        # The agent's alone (it reads them for the API), whatever the umask.
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
     def write(self, data: bytes) -> None:
         while data:
@@ -168,23 +174,33 @@ def _parse(record: bytes) -> tuple[str, str, bytes, bytes]:
     return "", "stdout", _FULL, record
 
 
-def _read_tail(path: Path, lines: int, block: int = 64 * 1024) -> list[bytes]:
-    """The last ``lines`` lines of one file, read backwards in blocks (log files can be large)."""
+def _read_tail(path: Path, lines: int, budget: int, block: int = 64 * 1024) -> tuple[list[bytes], int]:
+    """The last ``lines`` lines of one file, read backwards in blocks (log files can be large),
+    taking in at most ``budget`` bytes; and the bytes taken."""
     with path.open("rb") as handle:
         end = handle.seek(0, os.SEEK_END)
-        data = b""
+        blocks: list[bytes] = []
+        newlines = 0
         pos = end
-        while pos > 0 and data.count(b"\n") <= lines:
-            step = min(block, pos)
+        while pos > 0 and newlines <= lines and end - pos < budget:
+            step = min(block, pos, budget - (end - pos))
             pos -= step
             handle.seek(pos)
-            data = handle.read(step) + data
+            chunk = handle.read(step)
+            newlines += chunk.count(b"\n")
+            blocks.append(chunk)
+    data = b"".join(reversed(blocks))
     parts = data.split(b"\n")
     if parts and parts[-1] == b"":
         parts.pop()
     if pos > 0:
         parts = parts[1:]  # the first piece may be the end of a longer line
-    return parts[-lines:] if lines else []
+    return (parts[-lines:] if lines else []), end - pos
+
+
+def _shown(held: bytes, cut: int) -> str:
+    text = held.decode("utf-8", "replace")
+    return f"{text} [{cut} more bytes of this line not shown]" if cut else text
 
 
 def read_log(
@@ -192,7 +208,11 @@ def read_log(
 ) -> list[LogLine]:
     """The last ``lines`` lines the worker wrote, both streams in time order, reaching into rotated
     files if needed; partial records are joined into their line. ``complete_only``: leave out lines
-    still being written (a follower shows them once they end, stamped with their start)."""
+    still being written (a follower shows them once they end, stamped with their start).
+
+    Bounded whatever the worker wrote: at most MAX_READ_BYTES of the newest records are taken in
+    (fewer lines than asked when they are long), and a line longer than MAX_LINE_BYTES is shown
+    cut, saying how much was left out."""
     current = log_path(log_dir)
     if not current.exists():
         raise NotFound(f"no worker log at {current}: the worker has not been started in this slot")
@@ -201,21 +221,30 @@ def read_log(
     # A line may take several records (partials); read a margin and cut after assembling.
     wanted = lines * 2 + 16
     raw: list[bytes] = []
+    budget = MAX_READ_BYTES
     files = [current] + [current.with_name(f"{current.name}.{i}") for i in range(1, backups + 1)]
     for path in files:
-        if len(raw) >= wanted or not path.exists():
+        if len(raw) >= wanted or budget <= 0 or not path.exists():
             break
-        raw = _read_tail(path, wanted - len(raw)) + raw
+        found, taken = _read_tail(path, wanted - len(raw), budget)
+        raw = found + raw
+        budget -= taken
     out: list[LogLine] = []
-    pending: dict[str, tuple[str, bytes]] = {}
+    # stream -> (the line's start time, what is held of it, bytes of it cut)
+    pending: dict[str, tuple[str, bytes, int]] = {}
     for record in raw:
         when, stream, tag, content = _parse(record)
-        started, held = pending.pop(stream, (when, b""))
-        if tag == _PARTIAL:
-            pending[stream] = (started, held + content)
+        started, held, cut = pending.pop(stream, (when, b"", 0))
+        room = MAX_LINE_BYTES - len(held)
+        if len(content) > room:
+            held, cut = held + content[: max(room, 0)], cut + len(content) - max(room, 0)
         else:
-            out.append(LogLine(stream, (held + content).decode("utf-8", "replace"), started))
+            held += content
+        if tag == _PARTIAL:
+            pending[stream] = (started, held, cut)
+        else:
+            out.append(LogLine(stream, _shown(held, cut), started))
     if not complete_only:
-        for stream, (started, held) in pending.items():  # lines still being written
-            out.append(LogLine(stream, held.decode("utf-8", "replace"), started))
+        for stream, (started, held, cut) in pending.items():  # lines still being written
+            out.append(LogLine(stream, _shown(held, cut), started))
     return out[-lines:]

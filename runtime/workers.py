@@ -408,7 +408,8 @@ class KeeperRuntime:
         if keep_logs_as is not None and logs.is_dir():
             kept = self._released / slot_id
             try:
-                kept.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._released.mkdir(exist_ok=True, mode=0o700)
+                kept.mkdir(exist_ok=True, mode=0o700)
                 shutil.rmtree(kept / "logs", ignore_errors=True)
                 os.replace(logs, kept / "logs")
                 record = {"id": slot_id, "name": keep_logs_as, "released_at": time.time()}

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from nodeagent.errors import NotFound
 from nodeagent.runtime.logs import (
+    MAX_LINE_BYTES,
+    MAX_READ_BYTES,
     MAX_RECORD_CONTENT,
     LogLine,
     LogStream,
@@ -112,3 +115,26 @@ def test_reading_a_missing_log_says_why(tmp_path):
 def test_bad_rotation_settings_are_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="max_bytes"):
         LogStream(tmp_path, max_bytes=0)
+
+
+def test_one_huge_line_is_read_back_cut_and_in_bounded_memory(tmp_path: Path) -> None:
+    # 30 MB in one line (cut into partial records as it is written), then an ordinary line.
+    stream = LogStream(tmp_path, max_bytes=64 << 20, backups=1)
+    chunk = b"x" * (1 << 20)
+    for _ in range(30):
+        stream.write("stdout", chunk, ns=1)
+    stream.write("stdout", b"\nlast\n", ns=2)
+    stream.close()
+    tracemalloc.start()
+    try:
+        lines = read_log(tmp_path, lines=10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert lines[-1].text == "last"
+    huge = lines[-2].text
+    assert huge.startswith("x" * MAX_LINE_BYTES)
+    assert huge.endswith(" more bytes of this line not shown]")
+    assert sum(len(line.text) for line in lines) < MAX_LINE_BYTES + 100
+    # What one answer takes in is bounded by MAX_READ_BYTES, not by the line's 30 MB.
+    assert peak < 4 * MAX_READ_BYTES
