@@ -157,8 +157,6 @@ SlotId = Annotated[
 ]
 
 
-
-
 def create_app(
     service: SlotService,
     *,

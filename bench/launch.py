@@ -143,7 +143,6 @@ def crun_bundle(where: Path) -> Path:
     return where
 
 
-
 # --- the contenders ---------------------------------------------------------------------------------
 
 

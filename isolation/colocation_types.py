@@ -263,5 +263,3 @@ class Decision:
     actions: tuple[Action, ...]
     measured: Measured | None
     batch: Batch | None
-
-

@@ -33,7 +33,7 @@ import select
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,6 +119,11 @@ class WorkerRuntime(Protocol):
 
     def prune_released(self, before: float) -> list[str]:
         """Remove kept logs of slots released before ``before`` (Unix time); their slot ids."""
+        ...
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
+        """Remove the worker directories of slots other than ``keep`` (what a release the agent did
+        not finish left behind: its row went, the directory did not); their slot ids."""
         ...
 
     def close(self) -> None: ...
@@ -442,6 +447,17 @@ class KeeperRuntime:
             if float(record.get("released_at") or 0.0) < before:
                 shutil.rmtree(self._released / str(record["id"]), ignore_errors=True)
                 gone.append(str(record["id"]))
+        return gone
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
+        kept = set(keep)
+        try:
+            found = [entry.name for entry in self._dir.iterdir() if entry.is_dir() and not entry.is_symlink()]
+        except FileNotFoundError:
+            return []
+        gone = sorted(name for name in found if name not in kept)
+        for slot_id in gone:
+            self.discard(slot_id)
         return gone
 
     def close(self) -> None:

@@ -72,3 +72,17 @@ def test_a_follower_sees_only_lines_that_have_ended(tmp_path: Path) -> None:
     )
     assert [line.text for line in read_log(tmp_path / "logs", 10)] == ["done", "half"]
     assert [line.text for line in read_log(tmp_path / "logs", 10, complete_only=True)] == ["done"]
+
+
+def test_worker_directories_of_slots_no_longer_held_are_reaped(
+    tmp_path: Path, runtime: KeeperRuntime
+) -> None:
+    # s1's release was killed between its row and its directory; s2 is still held.
+    for slot_id in ("s1", "s2"):
+        write_log(tmp_path / "workers" / slot_id / "logs", "2026-12-03T08:00:00.000000001Z stdout F hi\n")
+        (tmp_path / "workers" / slot_id / "view" / "home").mkdir(parents=True)
+    (tmp_path / "workers" / "stray-file").write_text("")  # not a worker directory: left alone
+    assert runtime.reap(["s2", "s3"]) == ["s1"]
+    assert sorted(p.name for p in (tmp_path / "workers").iterdir()) == ["s2", "stray-file"]
+    assert runtime.reap(["s2"]) == []
+    assert KeeperRuntime(tmp_path / "none", None).reap([]) == []
