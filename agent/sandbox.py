@@ -36,13 +36,18 @@ from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.launch import resolve_identity
 from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, SandboxSupport, missing_for, probe
 from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT, ROOT_CAPABILITIES
-from nodeagent.runtime.sandbox.paths import describe, lexical, meets_hidden
+from nodeagent.runtime.sandbox.paths import Relation, describe, lexical, meets_hidden, relation
 from nodeagent.runtime.sandbox.seccomp import restricted_syscalls
-from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES
+from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES, PrivateDir
 from nodeagent.schema.quantity import parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
 _MAX_UID = 2**31 - 1
+#: Shared writable places of the host that a worker sees as its own instead: /var/tmp shows its
+#: private /tmp, /run/lock is a small tmpfs (lock files take inodes, not pages).
+VAR_TMP = "/var/tmp"  # noqa: S108 - a mount point, not a temporary file
+RUN_LOCK = "/run/lock"
+RUN_LOCK_BYTES = 1 << 20
 
 
 def default_init() -> str | None:
@@ -227,6 +232,7 @@ class SandboxPolicy:
         if root:
             namespaces.append("pid")
             capabilities = tuple(dict.fromkeys((*ROOT_CAPABILITIES, *capabilities)))
+        tmp_bytes = opt.tmp_size or parse_quantity(self.config.tmp_size)
         return SandboxSpec(
             uid=worker_uid,
             gid=gid,
@@ -235,14 +241,29 @@ class SandboxPolicy:
             seccomp_profile=opt.seccomp,
             seccomp_allow=tuple(opt.allow_syscalls),
             namespaces=tuple(namespaces),
-            tmp_bytes=opt.tmp_size or parse_quantity(self.config.tmp_size),
+            tmp_bytes=tmp_bytes,
             shm_bytes=opt.shm_size or parse_quantity(self.config.shm_size),
+            home_bytes=opt.home_size or parse_quantity(self.config.home_size),
+            tmp_views=self._shared_places(VAR_TMP) if tmp_bytes is not None else (),
+            private_dirs=tuple(
+                PrivateDir(path, RUN_LOCK_BYTES, 0o1777) for path in self._shared_places(RUN_LOCK)
+            ),
             devices=device_nodes(devices, worker_uid, gid),
             hide_paths=self.hidden,
             cgroup_view=self.config.cgroup_view,
             read_only_root=root,
             init=self.init if root else None,
         )
+
+    def _shared_places(self, path: str) -> tuple[str, ...]:
+        """``path`` (a directory every user may write on the host, shared between slots) when the
+        host has it and it holds no hidden path (a state directory there stays hidden, and what is
+        shown again of it must stay reachable)."""
+        if not os.path.isdir(path) or any(
+            relation(os.path.realpath(path), hidden) is Relation.ABOVE for hidden in self.hidden
+        ):
+            return ()
+        return (path,)
 
     def _probe_spec(self) -> SandboxSpec:
         return SandboxSpec(

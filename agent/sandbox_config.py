@@ -40,6 +40,8 @@ class SandboxConfig:
     #: Default sizes of the private /tmp and /dev/shm (a request may set its own).
     tmp_size: str = "256Mi"
     shm_size: str = "64Mi"
+    #: Default size of the worker's HOME (a tmpfs of its own; a request may set its own).
+    home_size: str = "256Mi"
     #: "read-only": the host's /sys/fs/cgroup, read-only; "namespace": only the slot's own subtree.
     cgroup_view: str = "read-only"
     #: More host paths to hide from every worker (the state directory and tokens always are).
@@ -84,7 +86,7 @@ class SandboxConfig:
                     f"sandbox.allowed_capabilities: {bare} undoes the slot as a boundary and is never "
                     f"given to a worker (never: {', '.join(NEVER_FOR_ROOT)})"
                 )
-        for key in ("tmp_size", "shm_size"):
+        for key in ("tmp_size", "shm_size", "home_size"):
             try:
                 size = parse_quantity(getattr(self, key))
             except ValueError as err:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from nodeagent.errors import Unsupported
 from nodeagent.runtime.sandbox._sys import check, libc, mount_setattr_number
-from nodeagent.runtime.sandbox.spec import DeviceNode
+from nodeagent.runtime.sandbox.spec import DeviceNode, PrivateDir
 
 # include/uapi/linux/mount.h
 MS_RDONLY = 1
@@ -112,6 +112,17 @@ def make_private(path: str = "/") -> None:
 
 def mount_tmpfs(target: str, size: int, mode: int = 0o1777, flags: int = MS_NOSUID | MS_NODEV) -> None:
     mount("tmpfs", target, "tmpfs", flags, f"size={size},mode={mode:o}")
+
+
+def mount_private_dir(private: PrivateDir) -> None:
+    """A tmpfs of the worker's own on ``private.path`` (which must exist), owned as asked."""
+    mount(
+        "tmpfs",
+        private.path,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={private.size},mode={private.mode:o},uid={private.uid},gid={private.gid}",
+    )
 
 
 def bind(source: str, target: str, *, flags: int = 0, recursive: bool = False) -> None:
