@@ -43,8 +43,9 @@ from nodeagent.schema.quantity import parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
 _MAX_UID = 2**31 - 1
-#: Shared writable places of the host that a worker sees as its own instead: /var/tmp shows its
-#: private /tmp, /run/lock is a small tmpfs (lock files take inodes, not pages).
+#: Shared writable places of the host that a worker sees as its own instead: /var/tmp as the host
+#: has it with the worker's writes kept in a tmpfs of its own (an overlay: what the host staged
+#: there stays readable), /run/lock a small tmpfs (lock files take inodes, not pages).
 VAR_TMP = "/var/tmp"  # noqa: S108 - a mount point, not a temporary file
 RUN_LOCK = "/run/lock"
 RUN_LOCK_BYTES = 1 << 20
@@ -244,7 +245,7 @@ class SandboxPolicy:
             tmp_bytes=tmp_bytes,
             shm_bytes=opt.shm_size or parse_quantity(self.config.shm_size),
             home_bytes=opt.home_size or parse_quantity(self.config.home_size),
-            tmp_views=self._shared_places(VAR_TMP) if tmp_bytes is not None else (),
+            private_views=self._shared_places(VAR_TMP) if tmp_bytes is not None else (),
             private_dirs=tuple(
                 PrivateDir(path, RUN_LOCK_BYTES, 0o1777) for path in self._shared_places(RUN_LOCK)
             ),

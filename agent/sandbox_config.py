@@ -5,7 +5,6 @@ command does) imports nothing heavy: the checks import the sandbox's tables only
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from nodeagent.errors import ConfigError
@@ -66,6 +65,7 @@ class SandboxConfig:
         # The sandbox's tables, only when a configuration is checked (the CLI reads it for every
         # command); none of them imports pydantic or the launch path.
         from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT  # noqa: PLC0415
+        from nodeagent.runtime.sandbox.paths import lexical  # noqa: PLC0415
         from nodeagent.runtime.sandbox.seccomp import restricted_syscalls  # noqa: PLC0415
         from nodeagent.schema.quantity import parse_quantity  # noqa: PLC0415
 
@@ -100,7 +100,7 @@ class SandboxConfig:
                 f"sandbox.cgroup_view is {self.cgroup_view!r}; expected one of {', '.join(CGROUP_VIEWS)}"
             )
         for path in self.hide_paths:
-            if not path.startswith("/") or os.path.normpath(path) != path or path == "/":
+            if not path.startswith("/") or lexical(path) != path or path == "/":
                 raise ConfigError(
                     f"sandbox.hide_paths: {path!r} must be a normalised absolute path other than /"
                 )

@@ -16,8 +16,9 @@ before it execs the worker, in two calls around the identity switch:
         7. private /dev: tmpfs, mknod, devpts, /dev/shm      mknod needs CAP_MKNOD
         8. private /tmp; HOME bind
         9. hidden paths                                      after HOME, which may live inside one
-       9b. /tmp shown again (TMPDIR, /var/tmp); tmpfs of     after 9: they lie in the view shown
-           the worker's own (HOME, /run/lock)                 again inside the hidden state dir
+       9b. /tmp shown again (TMPDIR); /var/tmp through an    after 9: they lie in the view shown
+           overlay; tmpfs of the worker's own (HOME,          again inside the hidden state dir
+           /run/lock)
        10. bounding set dropped, ambient cleared,            PR_CAPBSET_DROP needs CAP_SETPCAP,
            keep-caps if a non-root worker keeps some          which setuid takes away
     setgroups, setgid, setuid                                (runtime/enter.py, or switch_user)
@@ -239,6 +240,10 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
     for where in spec.tmp_views:
         with step(f"private /tmp on {where}"):
             mounts.bind(mounts.TMP, where, flags=mounts.MS_NOSUID | mounts.MS_NODEV)
+    if spec.tmp_bytes is not None:
+        for where in spec.private_views:
+            with step(f"private view of {where}"):
+                mounts.private_overlay(where, spec.tmp_bytes)
     for private in spec.private_dirs:
         with step(f"private {private.path}"):
             mounts.mount_private_dir(private)

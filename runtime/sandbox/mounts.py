@@ -125,6 +125,41 @@ def mount_private_dir(private: PrivateDir) -> None:
     )
 
 
+def private_overlay(path: str, size: int) -> str:
+    """Show the host's directory ``path`` as it is, with the worker's changes going to a tmpfs of
+    its own of ``size`` bytes: an overlay whose lower layer is the host's directory (reached
+    through a descriptor taken before the tmpfs covers it) and whose upper layer lives in that
+    tmpfs, under the overlay, out of the worker's reach. What the host staged there stays readable;
+    nothing a worker writes there reaches the host or another slot. Where the kernel has no
+    overlayfs the directory is shown read-only instead. Returns "overlay" or "read-only"."""
+    lower = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0755")
+        umask = os.umask(0)
+        try:
+            os.mkdir(f"{path}/upper", stat.S_IMODE(os.fstat(lower).st_mode))  # the overlay's root's mode
+            os.mkdir(f"{path}/work", 0o700)
+        finally:
+            os.umask(umask)
+        try:
+            mount(
+                "overlay",
+                path,
+                "overlay",
+                MS_NOSUID | MS_NODEV,
+                f"lowerdir=/proc/self/fd/{lower},upperdir={path}/upper,workdir={path}/work",
+            )
+        except OSError as err:
+            if err.errno not in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            umount(path, MNT_DETACH)
+            bind(f"/proc/self/fd/{lower}", path, flags=MS_RDONLY | MS_NOSUID | MS_NODEV)
+            return "read-only"
+        return "overlay"
+    finally:
+        os.close(lower)
+
+
 def bind(source: str, target: str, *, flags: int = 0, recursive: bool = False) -> None:
     """Bind ``source`` on ``target``, then set ``flags`` (MS_RDONLY, MS_NOSUID, ...) on the new
     mount: the first call ignores them, and the remount also clears a read-only flag the bind

@@ -16,6 +16,7 @@ from typing import Any
 
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.sandbox.caps import capability_number
+from nodeagent.runtime.sandbox.paths import lexical
 from nodeagent.runtime.sandbox.seccomp import PROFILES, restricted_syscalls
 
 #: Namespaces a spec may ask for; the network namespace is the slot's own (entered by the launch
@@ -56,7 +57,7 @@ class DeviceNode:
     def __post_init__(self) -> None:
         name = self.path.removeprefix("/dev/")
         where = f"device node {self.path!r}"
-        if not self.path.startswith("/dev/") or not name or os.path.normpath(self.path) != self.path:
+        if not self.path.startswith("/dev/") or not name or lexical(self.path) != self.path:
             raise InvalidRequest(f"{where}: the path must be a normalised absolute path under /dev/")
         if name.split("/")[0] in SAFE_DEV_NAMES:
             raise InvalidRequest(f"{where}: /dev/{name.split('/')[0]} is made by the sandbox itself")
@@ -120,9 +121,12 @@ class SandboxSpec:
     #: tmpfs mounts of the worker's own, made after the hidden paths (one may lie in a directory
     #: shown again: HOME in the worker directory's view).
     private_dirs: tuple[PrivateDir, ...] = ()
-    #: Where the private /tmp is shown again (TMPDIR in the worker directory's view, /var/tmp): one
+    #: Where the private /tmp is shown again (TMPDIR in the worker directory's view): one
     #: size-limited place for the worker's temporary files, not a directory on the host's disk.
     tmp_views: tuple[str, ...] = ()
+    #: Shared host directories (/var/tmp) the worker sees as they are but writes to privately: an
+    #: overlay whose changes live in a tmpfs of ``tmp_bytes`` of its own (read-only without overlayfs).
+    private_views: tuple[str, ...] = ()
     cgroup_view: str = "read-only"
     #: A private /proc where other users' processes are invisible (hidepid=invisible).
     hide_other_processes: bool = True
@@ -167,18 +171,21 @@ class SandboxSpec:
                 )
             _check_id(private.uid, f"sandbox private directory {private.path!r}: owner uid")
             _check_id(private.gid, f"sandbox private directory {private.path!r}: owner gid")
-        if self.tmp_views and self.tmp_bytes is None:
-            raise InvalidRequest("sandbox tmp_views show the private /tmp again; they need tmp_bytes")
+        if (self.tmp_views or self.private_views) and self.tmp_bytes is None:
+            raise InvalidRequest(
+                "sandbox tmp_views and private_views are as large as the private /tmp; they need tmp_bytes"
+            )
         for path in (
             *self.hide_paths,
             *(e.path for e in self.expose),
             *(p.path for p in self.private_dirs),
             *self.tmp_views,
+            *self.private_views,
             self.home,
             self.home_mount,
         ):
             if path is not None and (
-                not path.startswith("/") or os.path.normpath(path) != path or path == "/"
+                not path.startswith("/") or lexical(path) != path or path == "/"
             ):
                 raise InvalidRequest(f"sandbox path {path!r} must be a normalised absolute path other than /")
         for exposed in self.expose:
@@ -231,7 +238,10 @@ class SandboxSpec:
                     ("a private /dev", self.private_dev),
                     ("hidden paths", bool(self.hide_paths)),
                     ("a HOME mount", self.home_mount is not None),
-                    ("private directories", bool(self.private_dirs) or bool(self.tmp_views)),
+                    (
+                        "private directories",
+                        bool(self.private_dirs) or bool(self.tmp_views) or bool(self.private_views),
+                    ),
                     ("a read-only or namespaced /sys/fs/cgroup", self.cgroup_view != "host"),
                     ("a private /proc", self.hide_other_processes or "pid" in self.namespaces),
                     ("a read-only root", self.read_only_root),
@@ -270,7 +280,15 @@ class SandboxSpec:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> SandboxSpec:
         fixed = dict(body)
-        for key in ("groups", "capabilities", "seccomp_allow", "namespaces", "hide_paths", "tmp_views"):
+        for key in (
+            "groups",
+            "capabilities",
+            "seccomp_allow",
+            "namespaces",
+            "hide_paths",
+            "tmp_views",
+            "private_views",
+        ):
             if key in fixed:
                 fixed[key] = tuple(fixed[key])
         if "devices" in fixed:

@@ -328,6 +328,7 @@ fill "$HOME/fill" home
 fill "$TMPDIR/fill" tmpdir
 fill /var/tmp/$tag vartmp
 echo x > /run/lock/$tag && echo "runlock=written"
+echo "staged=$(cat /var/tmp/$tag-staged)"
 echo "home=$HOME tmpdir=$TMPDIR"
 touch /tmp/ready
 exec sleep 300
@@ -342,6 +343,16 @@ def test_a_worker_filling_its_home_and_temporary_places_meets_its_own_limits(
     past them gets ENOSPC, the host sees none of it, and the agent goes on allocating."""
     slots, cfg = manager
     tag = f"natest{os.getpid()}-fill"
+    staged = Path("/var/tmp", f"{tag}-staged")  # what the host puts in /var/tmp stays readable
+    staged.write_text("yes\n")
+    staged.chmod(0o644)
+    try:
+        _fill(slots, cfg, tag)
+    finally:
+        staged.unlink()
+
+
+def _fill(slots: SlotManager, cfg: AgentConfig, tag: str) -> None:
     slot = slots.allocate(
         parse_slot_request(
             {
@@ -362,6 +373,7 @@ def test_a_worker_filling_its_home_and_temporary_places_meets_its_own_limits(
     for place in ("home", "tmpdir", "vartmp"):
         assert f"{place}=ENOSPC" in said, said
     assert "runlock=written" in said, said
+    assert "staged=yes" in said, said
     assert not Path("/var/tmp", tag).exists()
     assert not Path("/run/lock", tag).exists()
     home = cfg.state_dir / "workers" / slot.id / "view" / "home"
