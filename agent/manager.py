@@ -240,7 +240,11 @@ class SlotManager:
             started_at=self._started_at,
             cgroup_mode=self._isolation.cgroup_mode,
             host_partitioning=None if self._host is None else self._host.status(),
-            degraded=self._isolation.degraded() + (self._sandbox.degraded() if self._sandbox else ()),
+            degraded=(
+                self._isolation.degraded()
+                + (self._sandbox.degraded() if self._sandbox else ())
+                + tuple(filter(None, (self._store.short(),)))
+            ),
             sandbox=None if self._sandbox is None else self._sandbox.to_json(),
         )
 

@@ -161,10 +161,13 @@ def build_launch_request(
     binding: SlotBinding,
     worker_dir: Path,
     sandbox: SandboxSpec | None = None,
+    *,
+    log_reserve_bytes: int = 0,
 ) -> LaunchRequest:
     """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries
     out; with ``sandbox`` the worker runs as the sandbox's uid, gid and groups (the request's own
-    user and groups were weighed by the agent when it chose them)."""
+    user and groups were weighed by the agent when it chose them). ``log_reserve_bytes``: free
+    space the worker's log leaves on its file system (runtime.logs.RotatingLog)."""
     if not spec.command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
@@ -214,4 +217,5 @@ def build_launch_request(
         oom_score_adj=binding.oom_score_adj,
         stop_grace_seconds=spec.stop_grace_seconds,
         sandbox=sandbox,
+        log_reserve_bytes=log_reserve_bytes,
     )

@@ -19,8 +19,10 @@ old files, so the newest records are always in ``worker.log``; a record never st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,19 +74,68 @@ def _cut(out: list[bytes], head: bytes, line: bytes, tag: bytes) -> None:
     out.append(head + tag + b" " + line + b"\n")
 
 
+def _dropped_note(lost: int, ns: int) -> bytes:
+    return records(
+        "stderr",
+        b"[nodeagent] %d bytes of this worker's output were dropped: the state file system was below "
+        b"the agent's reserve ([state] reserve)\n" % lost,
+        ns,
+    )
+
+
 class RotatingLog:
-    """Append-only byte sink that starts a new file once the current one would pass ``max_bytes``."""
+    """Append-only byte sink that starts a new file once the current one would pass ``max_bytes``.
+
+    With ``reserve_bytes``, never the one that fills its file system: a write that would leave less
+    than that free there first removes this log's own oldest rotations (the budget of
+    ``max_bytes`` x (1 + ``backups``) shrinks to what is free), then is dropped; ``dropped`` counts
+    what was lost, and the next write that fits says so in the log."""
 
     def __init__(
-        self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+        self,
+        path: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        *,
+        reserve_bytes: int = 0,
     ) -> None:
-        if max_bytes < 1 or backups < 0:
-            raise ValueError(f"max_bytes must be >= 1 and backups >= 0, got {max_bytes} and {backups}")
+        if max_bytes < 1 or backups < 0 or reserve_bytes < 0:
+            raise ValueError(
+                f"max_bytes must be >= 1, backups and reserve_bytes >= 0, got {max_bytes}, {backups} "
+                f"and {reserve_bytes}"
+            )
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
+        self.reserve_bytes = reserve_bytes
+        #: Bytes dropped since the last write that fitted (said in the log then).
+        self.dropped = 0
         self._fd = self._open()
         self._size = os.fstat(self._fd).st_size
+
+    def _room_for(self, size: int) -> bool:
+        """Whether ``size`` more bytes leave the reserve free, after giving up old rotations."""
+        if not self.reserve_bytes:
+            return True
+        for index in range(self.backups, 0, -1):
+            stat = os.fstatvfs(self._fd)
+            if stat.f_bavail * stat.f_frsize - size >= self.reserve_bytes:
+                return True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path.with_name(f"{self.path.name}.{index}"))
+        stat = os.fstatvfs(self._fd)
+        return stat.f_bavail * stat.f_frsize - size >= self.reserve_bytes
+
+    def append(self, data: bytes, note: Callable[[int], bytes]) -> None:
+        """``write(data)`` unless the file system is below the reserve (then ``data`` is counted as
+        dropped); the first write that fits after a drop is preceded by ``note(dropped)``."""
+        if not self._room_for(len(data)):
+            self.dropped += len(data)
+            return
+        if self.dropped:
+            said, self.dropped = note(self.dropped), 0
+            self.write(said)
+        self.write(data)
 
     def _open(self) -> int:
         # The agent's alone (it reads them for the API), whatever the umask.
@@ -133,15 +184,26 @@ class RotatingLog:
 
 
 class LogStream:
-    """A worker's stdout and stderr, written as records into one rotating file."""
+    """A worker's stdout and stderr, written as records into one rotating file (``reserve_bytes``:
+    see RotatingLog)."""
 
     def __init__(
-        self, log_dir: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+        self,
+        log_dir: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        *,
+        reserve_bytes: int = 0,
     ) -> None:
-        self._log = RotatingLog(log_path(log_dir), max_bytes, backups)
+        self._log = RotatingLog(log_path(log_dir), max_bytes, backups, reserve_bytes=reserve_bytes)
+
+    @property
+    def dropped(self) -> int:
+        return self._log.dropped
 
     def write(self, stream: str, data: bytes, ns: int | None = None) -> None:
-        self._log.write(records(stream, data, time.time_ns() if ns is None else ns))
+        when = time.time_ns() if ns is None else ns
+        self._log.append(records(stream, data, when), lambda lost: _dropped_note(lost, when))
 
     def close(self) -> None:
         self._log.close()

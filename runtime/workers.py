@@ -261,16 +261,20 @@ class KeeperRuntime:
         host: CgroupHost | None,
         keeper: KeeperClient | None = None,
         podman: PodmanConfig | None = None,
+        *,
+        log_reserve_bytes: int = 0,
     ) -> None:
         """``keeper``: the connection to the host keeper; by default one for ``<workers_dir>/../keeper``,
         which connects (starting the keeper if none runs) at the first launch or re-adoption.
-        ``podman``: how container workers are run (runtime/container.py)."""
+        ``podman``: how container workers are run (runtime/container.py). ``log_reserve_bytes``:
+        free space the workers' logs leave on the state file system ([state] reserve)."""
         self._dir = workers_dir
         #: Logs of released slots, kept for [workers] log_retention_seconds.
         self._released = workers_dir.parent / "released-logs"
         self._host = host
         self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
         self._podman = podman or PodmanConfig()
+        self._log_reserve = log_reserve_bytes
 
     def supervisor(
         self,
@@ -297,7 +301,9 @@ class KeeperRuntime:
         if self._has_worker_leaf(applied):
             # A slot allocated for a container worker on v2 (below): its own cgroup holds no process.
             binding = dataclasses.replace(binding, cgroup_leaf=WORKER_CGROUP)
-        template = build_launch_request(spec, slot, binding, worker_dir, sandbox)
+        template = build_launch_request(
+            spec, slot, binding, worker_dir, sandbox, log_reserve_bytes=self._log_reserve
+        )
         return Supervisor(
             spec,
             template,
@@ -342,7 +348,14 @@ class KeeperRuntime:
             sandbox=sandbox,
             init=init_path(),
         )
-        template = build_launch_request(container_launch_spec(spec, argv), slot, binding, worker_dir, None)
+        template = build_launch_request(
+            container_launch_spec(spec, argv),
+            slot,
+            binding,
+            worker_dir,
+            None,
+            log_reserve_bytes=self._log_reserve,
+        )
         # What discard() needs to find the container again, also after an agent restart.
         (worker_dir / CONTAINER_MARKER).write_text(spec.container.image + "\n")
         launcher: Launcher = ContainerLauncher(

@@ -184,9 +184,7 @@ class SandboxSpec:
             self.home,
             self.home_mount,
         ):
-            if path is not None and (
-                not path.startswith("/") or lexical(path) != path or path == "/"
-            ):
+            if path is not None and (not path.startswith("/") or lexical(path) != path or path == "/"):
                 raise InvalidRequest(f"sandbox path {path!r} must be a normalised absolute path other than /")
         for exposed in self.expose:
             if not any(_under(exposed.path, hidden) for hidden in self.hide_paths):

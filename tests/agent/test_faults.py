@@ -172,3 +172,20 @@ def test_a_release_killed_before_its_directory_went_is_finished_at_the_next_star
         assert runtime.dirs == {held.id}  # a slot the database holds keeps its directory
     finally:
         manager.close()
+
+
+def test_below_the_reserve_node_says_degraded_allocate_refuses_and_release_works(
+    manager: SlotManager, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = store_of(manager)
+    held = manager.allocate(parse_slot_request(REQUEST)).slot
+    assert not [d for d in manager.node().degraded if "reserve" in d]
+    monkeypatch.setattr(store, "free_bytes", lambda: store.reserve - 4096)
+    said = [d for d in manager.node().degraded if "reserve" in d]
+    assert said
+    assert "allocate refuses and slots' log output is dropped" in said[0]
+    with pytest.raises(InsufficientStorage, match=r"below the \d+ MiB the agent keeps .*\[state\] reserve"):
+        manager.allocate(parse_slot_request({**REQUEST, "name": "another"}))
+    manager.release(held.id)  # the reserve is there for this
+    assert manager.list_slots() == []
+    consistent(manager, world)
