@@ -512,7 +512,9 @@ class SlotManager:
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
         self._worker_status.pop(slot.id, None)
         self._loop.remove(slot.id)
-        self._runtime.discard(slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None)
+        # Below the state file system's reserve the logs go with the slot: the space matters more.
+        keep = self._log_retention > 0 and self._store.short() is None
+        self._runtime.discard(slot.id, keep_logs_as=slot.name if keep else None)
         self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)
