@@ -157,6 +157,8 @@ SlotId = Annotated[
 ]
 
 
+
+
 def create_app(
     service: SlotService,
     *,

@@ -110,6 +110,7 @@ def _describe(a: Assignment) -> str:
     return f"{cpus} on NUMA {list(a.numa_nodes)}, {a.memory_bytes} bytes{extra}"
 
 
+
 # =========================================================================== the manager
 
 

@@ -178,6 +178,9 @@ _UPDATED_SLOT_COLUMNS = (
 )
 
 
+
+
+
 @dataclass(frozen=True)
 class EventRecord:
     id: int
@@ -547,7 +550,9 @@ class StateStore:
             for name, want in sorted(wanted.items()):
                 if name in result:
                     continue
-                number = next((p for p in range(first, last + 1) if p not in taken and not in_use(p)), None)
+                number = next(
+                    (p for p in range(first, last + 1) if p not in taken and not in_use(p)), None
+                )
                 if number is None:
                     raise Conflict(
                         f"port {name!r}: no free port left in [workers] port_range {first}-{last} "

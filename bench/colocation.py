@@ -581,7 +581,8 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
         print(
             f"{name:<10}{p50:>7.2f}{p99:>8.2f}{p999:>8.2f}  {statistics.median(ratios):.2f}x "
             f"[{min(ratios):.2f}-{max(ratios):.2f}]      {share:<22}{others:>6.2f} CPUs   {loop_cpu:<8}"
-            f"{steal:>6.3f} CPUs" + (f"   ({failures} failed requests)" if failures else "")
+            f"{steal:>6.3f} CPUs"
+            + (f"   ({failures} failed requests)" if failures else "")
         )
     per_round = {
         name: [round(percentile(r.latencies, 0.99), 2) for r in rounds] for name, rounds in results.items()

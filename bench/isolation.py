@@ -287,7 +287,9 @@ def report(results: dict[str, list[list[float]]], foreign: dict[str, list[float]
         p50, p99, p999 = (statistics.median(percentile(r, q) for r in rounds) for q in (0.5, 0.99, 0.999))
         ratios = [percentile(r, 0.99) / a for r, a in zip(rounds, alone_p99, strict=True)]
         shares = foreign.get(scenario) or []
-        share = f"   {statistics.median(shares):.2%} [{min(shares):.2%}-{max(shares):.2%}]" if shares else ""
+        share = (
+            f"   {statistics.median(shares):.2%} [{min(shares):.2%}-{max(shares):.2%}]" if shares else ""
+        )
         print(
             f"{scenario:<18}{p50:>8.2f}{p99:>8.2f}{p999:>8.2f}   "
             f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]{share}"

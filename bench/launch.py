@@ -143,6 +143,7 @@ def crun_bundle(where: Path) -> Path:
     return where
 
 
+
 # --- the contenders ---------------------------------------------------------------------------------
 
 

@@ -206,7 +206,9 @@ def by_hand_once(server: Server) -> float:
         time.sleep(0.2)  # the helpers it forked
 
 
-def agent_once(client: httpx.Client, server: Server, number: int, cpus: float) -> tuple[float, float, float]:
+def agent_once(
+    client: httpx.Client, server: Server, number: int, cpus: float
+) -> tuple[float, float, float]:
     name = f"bench-{server.name}-{number}"
     body = {
         "name": name,

@@ -263,3 +263,5 @@ class Decision:
     actions: tuple[Action, ...]
     measured: Measured | None
     batch: Batch | None
+
+

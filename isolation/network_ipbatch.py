@@ -154,3 +154,5 @@ def tc_commands(config: SlotNetworkConfig, plan: SlotNetwork) -> list[list[str]]
 def _tbf_args(p: TbfParams) -> list[str]:
     burst, limit = str(p.burst_bytes), str(p.limit_bytes)
     return ["root", "handle", "1:", "tbf", "rate", f"{p.rate_bit}bit", "burst", burst, "limit", limit]
+
+

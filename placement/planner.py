@@ -523,8 +523,7 @@ class _Planner:
         groups = sorted({c[2][1] for c in cores if c[1] & picked})
         self.reasons.append(
             f"node {node}: {picked.bit_count()} CPUs as whole cores from L3 "
-            f"cache{'s' if len(groups) > 1 else ''} "
-            + ",".join(map(str, groups))
+            f"cache{'s' if len(groups) > 1 else ''} " + ",".join(map(str, groups))
             + ("; the cores serving the fewest interrupts first" if self.irq_load else "")
         )
         return ids_of(picked)

@@ -108,7 +108,7 @@ def substitute(text: str, ports: Mapping[str, int], where: str) -> str:
         if name not in ports:
             raise InvalidRequest(
                 f"worker spec: {where} refers to {match.group(0)}, but the worker has no port named "
-                f'{name!r}; declare it in ports (such as "ports": {{{name!r}: {{}}}}) or use one of: '
+                f"{name!r}; declare it in ports (such as \"ports\": {{{name!r}: {{}}}}) or use one of: "
                 + (", ".join(sorted(ports)) or "none declared")
             )
         return str(ports[name])

@@ -234,10 +234,7 @@ def start_slots(cfg: AgentConfig, *, network: bool, litter: str, host_port: int)
                 "resources": escaper_cpus,
                 "worker": {
                     "command": [
-                        python,
-                        "-I",
-                        worker_visible(ATTEMPTS),
-                        json.dumps({**targets, "allowed_cpus": []}),
+                        python, "-I", worker_visible(ATTEMPTS), json.dumps({**targets, "allowed_cpus": []})
                     ],
                     "stop_grace_seconds": 1,
                     "restart": "never",

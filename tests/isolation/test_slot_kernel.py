@@ -560,8 +560,6 @@ def test_a_slot_left_half_made_across_v1_hierarchies_is_still_listed(
     assert owned["shalfmade0001"].applied.mems is None
     assert "shalfmade0001" in isolator.remove_orphans(set()).cgroups
     assert not (host.v1_mounts["pids"] / relpath).exists()
-
-
 @pytest.mark.root
 def test_a_slot_cut_short_before_its_cpuset_directory_is_still_listed(
     isolator: SlotIsolator, host: CgroupHost

@@ -197,10 +197,8 @@ def check_fewest_splits(host: Host, slots: list[Assignment], a: Assignment) -> N
         # node or several, wherever the slot's nodes have enough of them (distribute_across_numa
         # fixes the count per node, so it may have to).
         nodes = {topo.cpu_by_id[c].numa for c in a.cpus}
-        if (
-            len(a.cpus) % threads == 0
-            and not host.options.distribute_across_numa
-            and (sum(sum(whole_sizes[n]) for n in nodes) >= len(a.cpus))
+        if len(a.cpus) % threads == 0 and not host.options.distribute_across_numa and (
+            sum(sum(whole_sizes[n]) for n in nodes) >= len(a.cpus)
         ):
             beside = sorted(c for c in a.cpus if unavailable & set(topo.cores[topo.cpu_by_id[c].core]))
             assert beside == [], f"{len(a.cpus)} CPUs are whole cores, yet {beside} share a core"

@@ -119,16 +119,14 @@ def test_presets_fill_command_and_probes(raw, argv0, ready_path, port):
 
 
 def test_preset_keeps_what_the_spec_sets():
-    spec = resolve(
-        parse_worker_spec(
-            {
-                "preset": "triton",
-                "model_repository": "/m",
-                "command": ["my-triton"],
-                "readiness": {"tcp": {"port": 1}},
-            }
-        )
-    )
+    spec = resolve(parse_worker_spec(
+        {
+            "preset": "triton",
+            "model_repository": "/m",
+            "command": ["my-triton"],
+            "readiness": {"tcp": {"port": 1}},
+        }
+    ))
     assert spec.command == ("my-triton",)
     assert spec.readiness is not None
     assert spec.readiness.kind is ProbeKind.TCP
