@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 
 from nodeagent.agent.config import parse_config
+from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.sandbox import SandboxConfig, SandboxPolicy, device_nodes
+from nodeagent.agent.state import StateStore
 from nodeagent.errors import ConfigError, InvalidRequest, Unsupported
 from nodeagent.runtime.sandbox import SandboxSupport
 from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES
+from nodeagent.schema.request import parse_slot_request
 from nodeagent.schema.worker import parse_worker_spec
+from tests.agent.test_manager import TOPOLOGY, FakeIsolation, FakeRuntime, World
 
 FULL = SandboxSupport(
     kernel="6.1.0",
@@ -257,3 +261,33 @@ def test_a_container_mount_through_a_link_to_a_hidden_path_is_refused(tmp_path: 
     with pytest.raises(InvalidRequest, match=r"target '//' is the container's root"):
         who.check(container(("/srv", "//")))  # type: ignore[arg-type]
     who.check(container(("/srv/models", "/var/lib/nodeagent")))  # type: ignore[arg-type]  # a target is the container's
+
+
+def test_allocate_refuses_a_container_mount_of_the_state_database_before_anything_is_placed(
+    tmp_path: Path,
+) -> None:
+    world = World()
+    store = StateStore(tmp_path / "state.db")
+    # The sandbox off (not root here): the mount would still show the database to the container.
+    who = SandboxPolicy(SandboxConfig(enabled=False), (str(tmp_path),), None)
+    manager = SlotManager(store, TOPOLOGY, FakeIsolation(world), FakeRuntime(world), sandbox=who)
+    manager.start(supervise=False)
+    try:
+        worker = {
+            "container": {
+                "image": "localhost/x:1",
+                "mounts": [{"source": f"{tmp_path}//state.db-wal", "target": "/w"}],
+            }
+        }
+        request = {
+            "name": "thief",
+            "qos": "burstable",
+            "resources": {"cpus": 0.5, "memory": "64Mi"},
+            "worker": worker,
+        }
+        with pytest.raises(InvalidRequest, match=r"mounts\[0\]\.source .* lies inside"):
+            manager.allocate(parse_slot_request(request))
+        assert manager.list_slots() == []
+        assert world.cgroups == {}
+    finally:
+        manager.close()
