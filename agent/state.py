@@ -362,7 +362,7 @@ class StateStore:
         if free is None or free >= self.reserve:
             return None
         return (
-            f"state directory {self.path.parent}: {free // 1024} KiB free, below the agent's reserve of "
+            f"state directory {self.path.parent}: {free >> 20} MiB free, below the agent's reserve of "
             f"{self.reserve // (1024 * 1024)} MiB ([state] reserve): allocate refuses and slots' log "
             "output is dropped until space is freed there"
         )
