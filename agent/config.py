@@ -34,6 +34,7 @@ from nodeagent.isolation.host import validate_parts
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.placement import PlacementOptions
 from nodeagent.runtime.ports import DEFAULT_PORT_RANGE, parse_port_range
+from nodeagent.schema.quantity import parse_quantity
 
 DEFAULT_CONFIG_PATH = Path("/etc/nodeagent/config.toml")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -63,6 +64,13 @@ class ApiConfig:
 @dataclass(frozen=True)
 class StateConfig:
     dir: str = ""  #: "" = /var/lib/nodeagent as root, else $XDG_STATE_HOME/nodeagent
+    #: free space on the state file system kept for the agent's own records (a quantity): below
+    #: it allocate refuses, slot logs are dropped and /v1/node says degraded
+    reserve: str = "64Mi"
+
+    @property
+    def reserve_bytes(self) -> int:
+        return parse_quantity(self.reserve)
 
 
 @dataclass(frozen=True)
@@ -350,6 +358,10 @@ def _convert(value: Any, annotation: str, key: str, source: str | None) -> Any:
     raise AssertionError(f"no converter for {annotation}")  # pragma: no cover - a new field type
 
 
+MIN_RESERVE_BYTES = 16 << 20
+MAX_RESERVE_BYTES = 1 << 40
+
+
 def _port_range_ok(text: str) -> bool:
     try:
         parse_port_range(text)
@@ -408,6 +420,15 @@ def _validate(config: AgentConfig) -> None:
         if not ok:
             value = getattr(getattr(config, key.split(".")[0]), key.split(".")[1])
             raise ConfigError(f"{_where(src, key)} is {value!r}; expected {expected}")
+    try:
+        reserve = config.state.reserve_bytes
+    except ValueError as err:
+        raise ConfigError(f"{_where(src, 'state.reserve')}: {err}") from None
+    if not MIN_RESERVE_BYTES <= reserve <= MAX_RESERVE_BYTES:
+        raise ConfigError(
+            f"{_where(src, 'state.reserve')} is {config.state.reserve!r}; expected from 16Mi (what one "
+            "release and a restart write) to 1Ti"
+        )
     if config.api.listen:
         try:
             parse_listen(config.api.listen)

@@ -302,7 +302,11 @@ def build_manager(
     topo = topology or discover()
     host = detect() if layout is None else layout.host
     isolation = build_isolation(config, topo, host, layout)
-    store = StateStore(config.database_path, manifests=Manifests(config.state_dir / "slots"))
+    store = StateStore(
+        config.database_path,
+        manifests=Manifests(config.state_dir / "slots"),
+        reserve=config.state.reserve_bytes,
+    )
     if isinstance(isolation, KernelIsolation) and layout is not None:
         try:
             check_slot_cgroups(store, layout.parent)  # systemd: slots made elsewhere are refused
@@ -318,6 +322,7 @@ def build_manager(
             host if isinstance(isolation, KernelIsolation) else None,
             KeeperClient(config.state_dir / "keeper", placement=None if layout is None else layout.placement),
             podman_config(config, host),
+            log_reserve_bytes=config.state.reserve_bytes,
         ),
         options=config.placement_options(),
         node_id=config.controller.resolved_node_id,

@@ -240,7 +240,11 @@ class SlotManager:
             started_at=self._started_at,
             cgroup_mode=self._isolation.cgroup_mode,
             host_partitioning=None if self._host is None else self._host.status(),
-            degraded=self._isolation.degraded() + (self._sandbox.degraded() if self._sandbox else ()),
+            degraded=(
+                self._isolation.degraded()
+                + (self._sandbox.degraded() if self._sandbox else ())
+                + tuple(filter(None, (self._store.short(),)))
+            ),
             sandbox=None if self._sandbox is None else self._sandbox.to_json(),
         )
 
@@ -511,9 +515,9 @@ class SlotManager:
         # Why a worker that is not running is not (a launch that failed wrote nothing of its own).
         said = status is not None and status.phase not in ALIVE_PHASES and status.message
         word = f"worker {status.phase}: {status.message}" if said and status is not None else None
-        self._runtime.discard(
-            slot.id, keep_logs_as=slot.name if self._log_retention > 0 else None, last_word=word
-        )
+        # Below the state file system's reserve the logs go with the slot: the space matters more.
+        keep = self._log_retention > 0 and self._store.short() is None
+        self._runtime.discard(slot.id, keep_logs_as=slot.name if keep else None, last_word=word)
         self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)

@@ -45,6 +45,8 @@ class ReconcileReport:
     workers_started: list[str] = field(default_factory=list)
     #: CDI specs of slots the agent does not hold (by slot id), removed
     cdi_removed: list[str] = field(default_factory=list)
+    #: worker directories of slots the database does not name (by slot id), removed
+    worker_dirs_removed: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,6 +92,12 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
         _reconcile_cdi(manager, report)
         for slot in manager._store.list_slots():
             _reconcile_worker(manager, slot, report, restart=slot.id in restart_workers)
+        # A release killed between its row and its directory leaves the directory (the worker's
+        # files, logs) to no slot: gone at the next start, which is what release would have done.
+        try:
+            report.worker_dirs_removed = manager._runtime.reap(s.id for s in manager._store.list_slots())
+        except OSError as err:
+            log.warning("stale worker directories not removed", extra={"reason": str(err)})
         manager._prune_logs()
         report.seconds = time.monotonic() - began
         manager.report = report

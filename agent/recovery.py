@@ -99,6 +99,7 @@ class Manifests:
         try:
             self.directory.mkdir(mode=0o700, exist_ok=True)
             tmp.write_text(json.dumps(record, sort_keys=True))
+            tmp.chmod(0o600)  # it names the worker's env: the agent's alone, whatever the umask
             os.replace(tmp, path)
         except OSError as err:
             if err.errno in NO_SPACE:

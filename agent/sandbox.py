@@ -36,12 +36,19 @@ from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.launch import resolve_identity
 from nodeagent.runtime.sandbox import DeviceNode, SandboxSpec, SandboxSupport, missing_for, probe
 from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT, ROOT_CAPABILITIES
+from nodeagent.runtime.sandbox.paths import Relation, describe, lexical, meets_hidden, relation
 from nodeagent.runtime.sandbox.seccomp import restricted_syscalls
-from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES
+from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES, PrivateDir
 from nodeagent.schema.quantity import parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
 _MAX_UID = 2**31 - 1
+#: Shared writable places of the host that a worker sees as its own instead: /var/tmp as the host
+#: has it with the worker's writes kept in a tmpfs of its own (an overlay: what the host staged
+#: there stays readable), /run/lock a small tmpfs (lock files take inodes, not pages).
+VAR_TMP = "/var/tmp"  # noqa: S108 - a mount point, not a temporary file
+RUN_LOCK = "/run/lock"
+RUN_LOCK_BYTES = 1 << 20
 
 
 def default_init() -> str | None:
@@ -106,6 +113,7 @@ class SandboxPolicy:
     def check(self, spec: WorkerSpec) -> None:
         """Refuse a worker spec the configuration does not allow (InvalidRequest) or this host
         cannot confine as asked (Unsupported), before anything is placed or launched."""
+        self.check_paths(spec)
         if not self.active:
             return
         self._check_identity(spec)
@@ -145,7 +153,7 @@ class SandboxPolicy:
         if spec.workdir is not None and self._unreachable(spec.workdir):
             raise InvalidRequest(
                 f"worker.workdir {spec.workdir!r} is not reachable inside the sandbox (it has its own "
-                "/tmp, /dev and /dev/shm, and the agent hides its state); use a directory outside them"  # noqa: S108
+                "/tmp, /dev and /dev/shm); use a directory outside them"  # noqa: S108
             )
         assert self.support is not None
         lacking = missing_for(self.spec_for(spec, uid=_MAX_UID, devices=()), self.support)
@@ -179,9 +187,30 @@ class SandboxPolicy:
                     + "; leave user out to get the slot's own uid"
                 )
 
+    def check_paths(self, spec: WorkerSpec) -> None:
+        """Refuse (InvalidRequest) a host path of the request that is, lies inside or (for a
+        container mount's source, which shows what is below it) contains a hidden path, whatever
+        its spelling (runtime.sandbox.paths); also with the sandbox off, where a container's mounts
+        are the one way a worker that is not root reaches the state database."""
+        if spec.workdir is not None:
+            met = meets_hidden(spec.workdir, self.hidden, above=False)
+            if met is not None:
+                raise InvalidRequest(describe("worker.workdir", spec.workdir, met))
+        if spec.container is None:
+            return
+        for index, mount in enumerate(spec.container.mounts):
+            met = meets_hidden(mount.source, self.hidden)
+            if met is not None:
+                raise InvalidRequest(describe(f"worker.container.mounts[{index}].source", mount.source, met))
+            if lexical(mount.target) == "/":
+                raise InvalidRequest(
+                    f"worker.container.mounts[{index}].target {mount.target!r} is the container's root; "
+                    "mount below it"
+                )
+
     def _unreachable(self, path: str) -> bool:
-        covered = ("/tmp", "/dev/shm", "/dev", *self.hidden)  # noqa: S108 - mount points, not files
-        return any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered)
+        covered = ("/tmp", "/dev/shm", "/dev")  # noqa: S108 - mount points, not files
+        return meets_hidden(path, covered, above=False) is not None
 
     # ------------------------------------------------------------------ the spec
 
@@ -204,6 +233,7 @@ class SandboxPolicy:
         if root:
             namespaces.append("pid")
             capabilities = tuple(dict.fromkeys((*ROOT_CAPABILITIES, *capabilities)))
+        tmp_bytes = opt.tmp_size or parse_quantity(self.config.tmp_size)
         return SandboxSpec(
             uid=worker_uid,
             gid=gid,
@@ -212,14 +242,29 @@ class SandboxPolicy:
             seccomp_profile=opt.seccomp,
             seccomp_allow=tuple(opt.allow_syscalls),
             namespaces=tuple(namespaces),
-            tmp_bytes=opt.tmp_size or parse_quantity(self.config.tmp_size),
+            tmp_bytes=tmp_bytes,
             shm_bytes=opt.shm_size or parse_quantity(self.config.shm_size),
+            home_bytes=opt.home_size or parse_quantity(self.config.home_size),
+            private_views=self._shared_places(VAR_TMP) if tmp_bytes is not None else (),
+            private_dirs=tuple(
+                PrivateDir(path, RUN_LOCK_BYTES, 0o1777) for path in self._shared_places(RUN_LOCK)
+            ),
             devices=device_nodes(devices, worker_uid, gid),
             hide_paths=self.hidden,
             cgroup_view=self.config.cgroup_view,
             read_only_root=root,
             init=self.init if root else None,
         )
+
+    def _shared_places(self, path: str) -> tuple[str, ...]:
+        """``path`` (a directory every user may write on the host, shared between slots) when the
+        host has it and it holds no hidden path (a state directory there stays hidden, and what is
+        shown again of it must stay reachable)."""
+        if not os.path.isdir(path) or any(
+            relation(os.path.realpath(path), hidden) is Relation.ABOVE for hidden in self.hidden
+        ):
+            return ()
+        return (path,)
 
     def _probe_spec(self) -> SandboxSpec:
         return SandboxSpec(

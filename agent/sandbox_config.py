@@ -5,7 +5,6 @@ command does) imports nothing heavy: the checks import the sandbox's tables only
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from nodeagent.errors import ConfigError
@@ -40,6 +39,8 @@ class SandboxConfig:
     #: Default sizes of the private /tmp and /dev/shm (a request may set its own).
     tmp_size: str = "256Mi"
     shm_size: str = "64Mi"
+    #: Default size of the worker's HOME (a tmpfs of its own; a request may set its own).
+    home_size: str = "256Mi"
     #: "read-only": the host's /sys/fs/cgroup, read-only; "namespace": only the slot's own subtree.
     cgroup_view: str = "read-only"
     #: More host paths to hide from every worker (the state directory and tokens always are).
@@ -64,6 +65,7 @@ class SandboxConfig:
         # The sandbox's tables, only when a configuration is checked (the CLI reads it for every
         # command); none of them imports pydantic or the launch path.
         from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT  # noqa: PLC0415
+        from nodeagent.runtime.sandbox.paths import lexical  # noqa: PLC0415
         from nodeagent.runtime.sandbox.seccomp import restricted_syscalls  # noqa: PLC0415
         from nodeagent.schema.quantity import parse_quantity  # noqa: PLC0415
 
@@ -84,7 +86,7 @@ class SandboxConfig:
                     f"sandbox.allowed_capabilities: {bare} undoes the slot as a boundary and is never "
                     f"given to a worker (never: {', '.join(NEVER_FOR_ROOT)})"
                 )
-        for key in ("tmp_size", "shm_size"):
+        for key in ("tmp_size", "shm_size", "home_size"):
             try:
                 size = parse_quantity(getattr(self, key))
             except ValueError as err:
@@ -98,7 +100,7 @@ class SandboxConfig:
                 f"sandbox.cgroup_view is {self.cgroup_view!r}; expected one of {', '.join(CGROUP_VIEWS)}"
             )
         for path in self.hide_paths:
-            if not path.startswith("/") or os.path.normpath(path) != path or path == "/":
+            if not path.startswith("/") or lexical(path) != path or path == "/":
                 raise ConfigError(
                     f"sandbox.hide_paths: {path!r} must be a normalised absolute path other than /"
                 )

@@ -117,6 +117,7 @@ MIGRATIONS: tuple[str, ...] = (
 WAL_SIZE_LIMIT = 4 * 1024 * 1024
 #: Below this much free space in the state directory, operations that grow the state are refused
 #: before they change anything (507): an allocate then never stops half-way for want of a page.
+#: The floor of [state] reserve, and the reserve of a store built without one.
 MIN_FREE_BYTES = 16 * 1024 * 1024
 
 #: Keep the event log bounded: older events are dropped beyond this many.
@@ -211,14 +212,33 @@ def _log_event(kind: str, message: str, slot_id: str | None) -> None:
     events_log.info(message, extra={"event": kind, "slot": slot_id})
 
 
+def _private_file(path: Path) -> None:
+    """Make the database file 0600 before SQLite opens it, whatever the umask: it holds every
+    slot's env (secrets among them), and SQLite gives its WAL and shared-memory files the mode of
+    the database file (those of an older agent are narrowed too)."""
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if name == path:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(name, 0o600)
+
+
 class StateStore:
     """The agent's database. Open once per process; close on shutdown."""
 
     def __init__(
-        self, path: Path, *, manifests: Manifests | None = None, clock: Callable[[], float] = time.time
+        self,
+        path: Path,
+        *,
+        manifests: Manifests | None = None,
+        clock: Callable[[], float] = time.time,
+        reserve: int = MIN_FREE_BYTES,
     ) -> None:
-        """``manifests``: where to keep each slot's manifest (agent.recovery), None for none."""
+        """``manifests``: where to keep each slot's manifest (agent.recovery), None for none.
+        ``reserve``: free bytes on the state file system kept for the agent's own records
+        ([state] reserve): what allocate leaves alone, and below which the store is ``short``."""
         self.path = path
+        self.reserve = reserve
         self.manifests = manifests
         self._clock = clock
         self._lock = threading.RLock()
@@ -227,6 +247,7 @@ class StateStore:
         #: Events of the transaction under way, logged when it commits (:func:`_log_event`).
         self._told: list[tuple[str, str, str | None]] = []
         try:
+            _private_file(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -238,7 +259,7 @@ class StateStore:
             # grown while the disk filled up would otherwise keep the space when it frees up.
             self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._migrate()
-        except sqlite3.Error as err:
+        except (sqlite3.Error, OSError) as err:
             raise StateError(
                 f"cannot open the state database {path}: {err}; check the state directory"
             ) from err
@@ -326,19 +347,37 @@ class StateStore:
             )
         return StateError(f"cannot write the state database {self.path}: {err}")
 
-    def check_space(self, minimum: int = MIN_FREE_BYTES) -> None:
-        """Refuse (InsufficientStorage) when the state directory has less than ``minimum`` bytes free."""
+    def free_bytes(self) -> int | None:
+        """Free bytes on the state file system for the agent (None: cannot tell)."""
         try:
             stat = os.statvfs(self.path.parent)
         except OSError:
-            return  # cannot tell: let the writes themselves say
-        free = stat.f_bavail * stat.f_frsize
-        if free < minimum:
+            return None
+        return stat.f_bavail * stat.f_frsize
+
+    def check_space(self, minimum: int | None = None) -> None:
+        """Refuse (InsufficientStorage) when the state directory has less than ``minimum`` bytes
+        free (default: the reserve)."""
+        minimum = self.reserve if minimum is None else minimum
+        free = self.free_bytes()
+        if free is not None and free < minimum:  # None: let the writes themselves say
             raise InsufficientStorage(
                 f"the state directory {self.path.parent} has {free // 1024} KiB free, below the "
-                f"{minimum // (1024 * 1024)} MiB the agent keeps for its records; nothing was changed. "
-                "Free space there, then retry"
+                f"{minimum // (1024 * 1024)} MiB the agent keeps for its records ([state] reserve); "
+                "nothing was changed. Free space there, then retry"
             )
+
+    def short(self) -> str | None:
+        """Why the state file system is below the reserve, for /v1/node's ``degraded``; None when
+        it is not (or cannot be told)."""
+        free = self.free_bytes()
+        if free is None or free >= self.reserve:
+            return None
+        return (
+            f"state directory {self.path.parent}: {free >> 20} MiB free, below the agent's reserve of "
+            f"{self.reserve // (1024 * 1024)} MiB ([state] reserve): allocate refuses and slots' log "
+            "output is dropped until space is freed there"
+        )
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:

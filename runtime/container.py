@@ -34,8 +34,9 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nodeagent.errors import CgroupError, WorkerError
+from nodeagent.errors import CgroupError, InvalidRequest, WorkerError
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.sandbox.paths import describe, meets_hidden
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, WorkerHandle
 from nodeagent.schema.worker import ContainerSpec, WorkerSpec
@@ -156,7 +157,12 @@ def run_argv(
     argv.append(f"--umask={spec.umask:04o}")
     if container.read_only or (sandbox is not None and sandbox.read_only_root):
         argv.append("--read-only")  # a root worker's sandbox always has a read-only root
-    for mount in container.mounts:
+    for index, mount in enumerate(container.mounts):
+        # Again at launch, where the submit's check may be stale (a link changed since): the
+        # container's user must never see what the sandbox hides.
+        met = None if sandbox is None else meets_hidden(mount.source, sandbox.hide_paths)
+        if met is not None:
+            raise InvalidRequest(describe(f"worker.container.mounts[{index}].source", mount.source, met))
         options = "ro" if mount.read_only else "rw"
         argv.append(f"--volume={mount.source}:{mount.target}:{options}")
     if spec.workdir is not None:

@@ -155,7 +155,12 @@ class WorkerCustody:
         else:
             users = 0
             try:
-                stream = LogStream(Path(custody.log_dir), custody.log_max_bytes, custody.log_backups)
+                stream = LogStream(
+                    Path(custody.log_dir),
+                    custody.log_max_bytes,
+                    custody.log_backups,
+                    reserve_bytes=custody.log_reserve_bytes,
+                )
             except OSError as err:
                 log(
                     f"cannot open the log in {custody.log_dir}: {err}; the output of worker "

@@ -458,7 +458,7 @@ class Keeper(WorkerCustody):
         run_dir, log_dir = Path(req.run_dir), Path(req.log_dir)
         for directory in (run_dir, log_dir):
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as err:
                 log(f"cannot create {directory} for worker {child.identity.pid}: {err}")
         fifos = []
@@ -474,6 +474,7 @@ class Keeper(WorkerCustody):
             log_dir=str(log_dir),
             log_max_bytes=req.log_max_bytes,
             log_backups=req.log_backups,
+            log_reserve_bytes=req.log_reserve_bytes,
             # A probe's tree is its process group: its slot's cgroups hold its worker too.
             cgroup_procs=req.cgroup_procs if req.end_slot_on_exit else (),
             stop_grace_seconds=req.stop_grace_seconds,

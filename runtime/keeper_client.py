@@ -417,7 +417,10 @@ class KeeperClient:
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-            with open(self.directory / proto.LOG_NAME, "ab") as keeper_log:
+            log_fd = os.open(
+                self.directory / proto.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+            )
+            with open(log_fd, "ab") as keeper_log:
                 # No preexec_fn: CPython can then use vfork, which is safe from a threaded process.
                 argv = [self._python, "-m", "nodeagent.runtime.keeper", str(self.directory)]
                 if self._placement is not None:

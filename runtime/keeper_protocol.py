@@ -38,7 +38,9 @@ from typing import Any
 
 #: 2: launch requests carry the worker's sandbox; ``arm`` may ask for a pid namespace.
 #: 3: launch requests carry the slot's OOM score adjustment.
-PROTOCOL = 3
+#: 4: launch requests carry the log's reserve (``log_reserve_bytes``) and the sandbox's private
+#:    places (``home_bytes``, ``private_dirs``, ``tmp_views``, ``private_views``).
+PROTOCOL = 4
 SOCKET_NAME = "keeper.sock"
 LOCK_NAME = "keeper.lock"
 LOG_NAME = "keeper.log"

@@ -7,8 +7,10 @@ The agent's side of a launch. Layout of a worker's directory (one per slot)::
     <worker_dir>/logs/         worker.log (stdout and stderr, one time-ordered stream) and its rotations
     <worker_dir>/view/         what the worker sees of it (root's, 0755):
     <worker_dir>/view/slot.json   the slot description (NODEAGENT_SLOT_FILE), root's, 0644
-    <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700)
-    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700)
+    <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700); sandboxed, only the
+                                  mount point of its private /tmp (a tmpfs)
+    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700): the mount
+                                  point of a tmpfs of its own ([sandbox] home_size)
     <worker_dir>/view/files/      the spec's ``files`` (root's, 0644; NODEAGENT_FILES_DIR)
 
 With a sandbox the state directory above all this is hidden from the worker, and ``view/`` alone is
@@ -30,7 +32,7 @@ from pathlib import Path
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, thread_count, worker_environment, write_slot_file
 from nodeagent.runtime.request import LaunchRequest
-from nodeagent.runtime.sandbox.spec import Exposed, SandboxSpec
+from nodeagent.runtime.sandbox.spec import Exposed, PrivateDir, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
 
 
@@ -108,6 +110,21 @@ def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]
     home = view / "home"
     identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, str(home))
     _private_dir(home, identity)
+    if "mount" in sandbox.namespaces:
+        # HOME and TMPDIR are size-limited places of the slot's own (a tmpfs, the private /tmp),
+        # charged to its memory cgroup; the directories here are only their mount points, so a
+        # worker never writes to the agent's state file system.
+        private = (
+            ()
+            if sandbox.home_bytes is None
+            else (PrivateDir(str(home), sandbox.home_bytes, 0o700, sandbox.uid, sandbox.gid),)
+        )
+        views = () if sandbox.tmp_bytes is None else (str(view / "tmp"),)
+        sandbox = dataclasses.replace(
+            sandbox,
+            private_dirs=(*sandbox.private_dirs, *private),
+            tmp_views=(*sandbox.tmp_views, *views),
+        )
     hidden = [path.rstrip("/") + "/" for path in sandbox.hide_paths]
     if not any(str(view).startswith(h) for h in hidden):
         return sandbox, identity  # not hidden: nothing to show again
@@ -144,10 +161,13 @@ def build_launch_request(
     binding: SlotBinding,
     worker_dir: Path,
     sandbox: SandboxSpec | None = None,
+    *,
+    log_reserve_bytes: int = 0,
 ) -> LaunchRequest:
     """Lay out ``worker_dir``, write the slot file and return the request the keeper's child carries
     out; with ``sandbox`` the worker runs as the sandbox's uid, gid and groups (the request's own
-    user and groups were weighed by the agent when it chose them)."""
+    user and groups were weighed by the agent when it chose them). ``log_reserve_bytes``: free
+    space the worker's log leaves on its file system (runtime.logs.RotatingLog)."""
     if not spec.command:
         raise InvalidRequest(
             "worker spec: command is missing; give the worker's argv or a preset that knows it"
@@ -155,7 +175,10 @@ def build_launch_request(
     worker_dir = Path(os.path.realpath(worker_dir))  # shown again by path inside the sandbox
     view = worker_dir / "view"
     try:
-        view.mkdir(parents=True, exist_ok=True, mode=0o755)
+        # The agent's (0700, whatever the umask): run/ and logs/ are not the worker's to see; a
+        # sandboxed worker reaches view/ through its own bind mount, not through this directory.
+        worker_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        view.mkdir(exist_ok=True, mode=0o755)
         view.chmod(0o755)  # root's: the worker may not replace what is in it
     except OSError as err:
         raise translate_os_error(f"prepare worker directory {view}", err, KernelError) from err
@@ -194,4 +217,5 @@ def build_launch_request(
         oom_score_adj=binding.oom_score_adj,
         stop_grace_seconds=spec.stop_grace_seconds,
         sandbox=sandbox,
+        log_reserve_bytes=log_reserve_bytes,
     )

@@ -19,8 +19,10 @@ old files, so the newest records are always in ``worker.log``; a record never st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,11 @@ LOG_FILE = "worker.log"
 STREAMS = ("stdout", "stderr")
 #: Longest content of one record; a longer line is cut into partial records (containerd: 16 KiB).
 MAX_RECORD_CONTENT = 16 * 1024
+#: The most of the log files one read takes in (the newest records first): what an answer and the
+#: agent's memory for it are bounded by, whatever the lines asked for and however long they are.
+MAX_READ_BYTES = 4 * 1024 * 1024
+#: The longest line an answer shows; the rest of a longer one is cut and said so.
+MAX_LINE_BYTES = 64 * 1024
 _FULL = b"F"
 _PARTIAL = b"P"
 
@@ -67,22 +74,72 @@ def _cut(out: list[bytes], head: bytes, line: bytes, tag: bytes) -> None:
     out.append(head + tag + b" " + line + b"\n")
 
 
+def _dropped_note(lost: int, ns: int) -> bytes:
+    return records(
+        "stderr",
+        b"[nodeagent] %d bytes of this worker's output were dropped: the state file system was below "
+        b"the agent's reserve ([state] reserve)\n" % lost,
+        ns,
+    )
+
+
 class RotatingLog:
-    """Append-only byte sink that starts a new file once the current one would pass ``max_bytes``."""
+    """Append-only byte sink that starts a new file once the current one would pass ``max_bytes``.
+
+    With ``reserve_bytes``, never the one that fills its file system: a write that would leave less
+    than that free there first removes this log's own oldest rotations (the budget of
+    ``max_bytes`` x (1 + ``backups``) shrinks to what is free), then is dropped; ``dropped`` counts
+    what was lost, and the next write that fits says so in the log."""
 
     def __init__(
-        self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+        self,
+        path: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        *,
+        reserve_bytes: int = 0,
     ) -> None:
-        if max_bytes < 1 or backups < 0:
-            raise ValueError(f"max_bytes must be >= 1 and backups >= 0, got {max_bytes} and {backups}")
+        if max_bytes < 1 or backups < 0 or reserve_bytes < 0:
+            raise ValueError(
+                f"max_bytes must be >= 1, backups and reserve_bytes >= 0, got {max_bytes}, {backups} "
+                f"and {reserve_bytes}"
+            )
         self.path = path
         self.max_bytes = max_bytes
         self.backups = backups
+        self.reserve_bytes = reserve_bytes
+        #: Bytes dropped since the last write that fitted (said in the log then).
+        self.dropped = 0
         self._fd = self._open()
         self._size = os.fstat(self._fd).st_size
 
+    def _room_for(self, size: int) -> bool:
+        """Whether ``size`` more bytes leave the reserve free, after giving up old rotations."""
+        if not self.reserve_bytes:
+            return True
+        for index in range(self.backups, 0, -1):
+            stat = os.fstatvfs(self._fd)
+            if stat.f_bavail * stat.f_frsize - size >= self.reserve_bytes:
+                return True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path.with_name(f"{self.path.name}.{index}"))
+        stat = os.fstatvfs(self._fd)
+        return stat.f_bavail * stat.f_frsize - size >= self.reserve_bytes
+
+    def append(self, data: bytes, note: Callable[[int], bytes]) -> None:
+        """``write(data)`` unless the file system is below the reserve (then ``data`` is counted as
+        dropped); the first write that fits after a drop is preceded by ``note(dropped)``."""
+        if not self._room_for(len(data)):
+            self.dropped += len(data)
+            return
+        if self.dropped:
+            said, self.dropped = note(self.dropped), 0
+            self.write(said)
+        self.write(data)
+
     def _open(self) -> int:
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+        # The agent's alone (it reads them for the API), whatever the umask.
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
     def write(self, data: bytes) -> None:
         while data:
@@ -127,15 +184,26 @@ class RotatingLog:
 
 
 class LogStream:
-    """A worker's stdout and stderr, written as records into one rotating file."""
+    """A worker's stdout and stderr, written as records into one rotating file (``reserve_bytes``:
+    see RotatingLog)."""
 
     def __init__(
-        self, log_dir: Path, max_bytes: int = DEFAULT_MAX_BYTES, backups: int = DEFAULT_BACKUPS
+        self,
+        log_dir: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        *,
+        reserve_bytes: int = 0,
     ) -> None:
-        self._log = RotatingLog(log_path(log_dir), max_bytes, backups)
+        self._log = RotatingLog(log_path(log_dir), max_bytes, backups, reserve_bytes=reserve_bytes)
+
+    @property
+    def dropped(self) -> int:
+        return self._log.dropped
 
     def write(self, stream: str, data: bytes, ns: int | None = None) -> None:
-        self._log.write(records(stream, data, time.time_ns() if ns is None else ns))
+        when = time.time_ns() if ns is None else ns
+        self._log.append(records(stream, data, when), lambda lost: _dropped_note(lost, when))
 
     def close(self) -> None:
         self._log.close()
@@ -168,23 +236,33 @@ def _parse(record: bytes) -> tuple[str, str, bytes, bytes]:
     return "", "stdout", _FULL, record
 
 
-def _read_tail(path: Path, lines: int, block: int = 64 * 1024) -> list[bytes]:
-    """The last ``lines`` lines of one file, read backwards in blocks (log files can be large)."""
+def _read_tail(path: Path, lines: int, budget: int, block: int = 64 * 1024) -> tuple[list[bytes], int]:
+    """The last ``lines`` lines of one file, read backwards in blocks (log files can be large),
+    taking in at most ``budget`` bytes; and the bytes taken."""
     with path.open("rb") as handle:
         end = handle.seek(0, os.SEEK_END)
-        data = b""
+        blocks: list[bytes] = []
+        newlines = 0
         pos = end
-        while pos > 0 and data.count(b"\n") <= lines:
-            step = min(block, pos)
+        while pos > 0 and newlines <= lines and end - pos < budget:
+            step = min(block, pos, budget - (end - pos))
             pos -= step
             handle.seek(pos)
-            data = handle.read(step) + data
+            chunk = handle.read(step)
+            newlines += chunk.count(b"\n")
+            blocks.append(chunk)
+    data = b"".join(reversed(blocks))
     parts = data.split(b"\n")
     if parts and parts[-1] == b"":
         parts.pop()
     if pos > 0:
         parts = parts[1:]  # the first piece may be the end of a longer line
-    return parts[-lines:] if lines else []
+    return (parts[-lines:] if lines else []), end - pos
+
+
+def _shown(held: bytes, cut: int) -> str:
+    text = held.decode("utf-8", "replace")
+    return f"{text} [{cut} more bytes of this line not shown]" if cut else text
 
 
 def read_log(
@@ -192,7 +270,11 @@ def read_log(
 ) -> list[LogLine]:
     """The last ``lines`` lines the worker wrote, both streams in time order, reaching into rotated
     files if needed; partial records are joined into their line. ``complete_only``: leave out lines
-    still being written (a follower shows them once they end, stamped with their start)."""
+    still being written (a follower shows them once they end, stamped with their start).
+
+    Bounded whatever the worker wrote: at most MAX_READ_BYTES of the newest records are taken in
+    (fewer lines than asked when they are long), and a line longer than MAX_LINE_BYTES is shown
+    cut, saying how much was left out."""
     current = log_path(log_dir)
     if not current.exists():
         raise NotFound(f"no worker log at {current}: the worker has not been started in this slot")
@@ -201,21 +283,30 @@ def read_log(
     # A line may take several records (partials); read a margin and cut after assembling.
     wanted = lines * 2 + 16
     raw: list[bytes] = []
+    budget = MAX_READ_BYTES
     files = [current] + [current.with_name(f"{current.name}.{i}") for i in range(1, backups + 1)]
     for path in files:
-        if len(raw) >= wanted or not path.exists():
+        if len(raw) >= wanted or budget <= 0 or not path.exists():
             break
-        raw = _read_tail(path, wanted - len(raw)) + raw
+        found, taken = _read_tail(path, wanted - len(raw), budget)
+        raw = found + raw
+        budget -= taken
     out: list[LogLine] = []
-    pending: dict[str, tuple[str, bytes]] = {}
+    # stream -> (the line's start time, what is held of it, bytes of it cut)
+    pending: dict[str, tuple[str, bytes, int]] = {}
     for record in raw:
         when, stream, tag, content = _parse(record)
-        started, held = pending.pop(stream, (when, b""))
-        if tag == _PARTIAL:
-            pending[stream] = (started, held + content)
+        started, held, cut = pending.pop(stream, (when, b"", 0))
+        room = MAX_LINE_BYTES - len(held)
+        if len(content) > room:
+            held, cut = held + content[: max(room, 0)], cut + len(content) - max(room, 0)
         else:
-            out.append(LogLine(stream, (held + content).decode("utf-8", "replace"), started))
+            held += content
+        if tag == _PARTIAL:
+            pending[stream] = (started, held, cut)
+        else:
+            out.append(LogLine(stream, _shown(held, cut), started))
     if not complete_only:
-        for stream, (started, held) in pending.items():  # lines still being written
-            out.append(LogLine(stream, held.decode("utf-8", "replace"), started))
+        for stream, (started, held, cut) in pending.items():  # lines still being written
+            out.append(LogLine(stream, _shown(held, cut), started))
     return out[-lines:]

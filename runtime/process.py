@@ -125,6 +125,8 @@ class Custody:
     oom_events: str | None = None
     #: The slot's OOM kill count just before exec (counted from inside the slot).
     oom_before: int = 0
+    #: Free bytes the log leaves on its file system (the agent's reserve); 0: none kept.
+    log_reserve_bytes: int = 0
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Custody:

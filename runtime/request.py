@@ -56,6 +56,9 @@ class LaunchRequest:
     oom_score_adj: int | None = None
     log_max_bytes: int = DEFAULT_MAX_BYTES
     log_backups: int = DEFAULT_BACKUPS
+    #: Free bytes on the log's file system the keeper leaves alone ([state] reserve): below them
+    #: the log gives up its own old rotations, then drops output, before the agent's records fail.
+    log_reserve_bytes: int = 0
     #: Once the worker's main process exits, what is left in its cgroups gets SIGTERM, and SIGKILL
     #: this long after (the keeper does it, also while the agent is down).
     stop_grace_seconds: float = 30.0

@@ -33,7 +33,7 @@ import select
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -125,6 +125,11 @@ class WorkerRuntime(Protocol):
 
     def prune_released(self, before: float) -> list[str]:
         """Remove kept logs of slots released before ``before`` (Unix time); their slot ids."""
+        ...
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
+        """Remove the worker directories of slots other than ``keep`` (what a release the agent did
+        not finish left behind: its row went, the directory did not); their slot ids."""
         ...
 
     def close(self) -> None: ...
@@ -262,16 +267,20 @@ class KeeperRuntime:
         host: CgroupHost | None,
         keeper: KeeperClient | None = None,
         podman: PodmanConfig | None = None,
+        *,
+        log_reserve_bytes: int = 0,
     ) -> None:
         """``keeper``: the connection to the host keeper; by default one for ``<workers_dir>/../keeper``,
         which connects (starting the keeper if none runs) at the first launch or re-adoption.
-        ``podman``: how container workers are run (runtime/container.py)."""
+        ``podman``: how container workers are run (runtime/container.py). ``log_reserve_bytes``:
+        free space the workers' logs leave on the state file system ([state] reserve)."""
         self._dir = workers_dir
         #: Logs of released slots, kept for [workers] log_retention_seconds.
         self._released = workers_dir.parent / "released-logs"
         self._host = host
         self._keeper = keeper or KeeperClient(workers_dir.parent / "keeper")
         self._podman = podman or PodmanConfig()
+        self._log_reserve = log_reserve_bytes
 
     def supervisor(
         self,
@@ -298,7 +307,9 @@ class KeeperRuntime:
         if self._has_worker_leaf(applied):
             # A slot allocated for a container worker on v2 (below): its own cgroup holds no process.
             binding = dataclasses.replace(binding, cgroup_leaf=WORKER_CGROUP)
-        template = build_launch_request(spec, slot, binding, worker_dir, sandbox)
+        template = build_launch_request(
+            spec, slot, binding, worker_dir, sandbox, log_reserve_bytes=self._log_reserve
+        )
         return Supervisor(
             spec,
             template,
@@ -343,7 +354,14 @@ class KeeperRuntime:
             sandbox=sandbox,
             init=init_path(),
         )
-        template = build_launch_request(container_launch_spec(spec, argv), slot, binding, worker_dir, None)
+        template = build_launch_request(
+            container_launch_spec(spec, argv),
+            slot,
+            binding,
+            worker_dir,
+            None,
+            log_reserve_bytes=self._log_reserve,
+        )
         # What discard() needs to find the container again, also after an agent restart.
         (worker_dir / CONTAINER_MARKER).write_text(spec.container.image + "\n")
         launcher: Launcher = ContainerLauncher(
@@ -414,7 +432,8 @@ class KeeperRuntime:
         if keep_logs_as is not None and (logs.is_dir() or last_word):
             kept = self._released / slot_id
             try:
-                kept.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._released.mkdir(exist_ok=True, mode=0o700)
+                kept.mkdir(exist_ok=True, mode=0o700)
                 shutil.rmtree(kept / "logs", ignore_errors=True)
                 if logs.is_dir():
                     os.replace(logs, kept / "logs")
@@ -463,6 +482,17 @@ class KeeperRuntime:
             if float(record.get("released_at") or 0.0) < before:
                 shutil.rmtree(self._released / str(record["id"]), ignore_errors=True)
                 gone.append(str(record["id"]))
+        return gone
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
+        kept = set(keep)
+        try:
+            found = [entry.name for entry in self._dir.iterdir() if entry.is_dir() and not entry.is_symlink()]
+        except FileNotFoundError:
+            return []
+        gone = sorted(name for name in found if name not in kept)
+        for slot_id in gone:
+            self.discard(slot_id)
         return gone
 
     def close(self) -> None:

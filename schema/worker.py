@@ -415,6 +415,10 @@ class WorkerSandbox(StrictModel):
     tmp_size: TmpfsBytes | None = Field(
         default=None, description="Size of the private /tmp (default: the agent's [sandbox] tmp_size)."
     )
+    home_size: TmpfsBytes | None = Field(
+        default=None,
+        description="Size of the worker's HOME, a tmpfs of its own (default: [sandbox] home_size).",
+    )
 
     @model_validator(mode="after")
     def _no_repeats(self) -> WorkerSandbox:
@@ -625,10 +629,14 @@ class WorkerSpec(StrictModel):
             raise ValueError("preset does not apply to a container; give container.command/args and probes")
         if self.group is not None or self.supplementary_groups:
             raise ValueError("group and supplementary_groups do not apply to a container (it runs as user)")
-        if self.sandbox is not None and (self.sandbox.allow_syscalls or self.sandbox.tmp_size is not None):
+        if self.sandbox is not None and (
+            self.sandbox.allow_syscalls
+            or self.sandbox.tmp_size is not None
+            or self.sandbox.home_size is not None
+        ):
             raise ValueError(
-                "sandbox.allow_syscalls and sandbox.tmp_size do not apply to a container (podman's seccomp "
-                "profile; its /tmp is the image's)"
+                "sandbox.allow_syscalls, sandbox.tmp_size and sandbox.home_size do not apply to a container "
+                "(podman's seccomp profile; its /tmp and HOME are the image's)"
             )
 
 

@@ -16,6 +16,9 @@ before it execs the worker, in two calls around the identity switch:
         7. private /dev: tmpfs, mknod, devpts, /dev/shm      mknod needs CAP_MKNOD
         8. private /tmp; HOME bind
         9. hidden paths                                      after HOME, which may live inside one
+       9b. /tmp shown again (TMPDIR); /var/tmp through an    after 9: they lie in the view shown
+           overlay; tmpfs of the worker's own (HOME,          again inside the hidden state dir
+           /run/lock)
        10. bounding set dropped, ambient cleared,            PR_CAPBSET_DROP needs CAP_SETPCAP,
            keep-caps if a non-root worker keeps some          which setuid takes away
     setgroups, setgid, setuid                                (runtime/enter.py, or switch_user)
@@ -55,7 +58,7 @@ from nodeagent.runtime.sandbox._sys import (
     libc,
 )
 from nodeagent.runtime.sandbox.pidns import fork_into_new_pid_namespace, init_argv
-from nodeagent.runtime.sandbox.spec import DeviceNode, Exposed, SandboxSpec
+from nodeagent.runtime.sandbox.spec import DeviceNode, Exposed, PrivateDir, SandboxSpec
 from nodeagent.runtime.sandbox.support import SandboxSupport, missing_for, probe, probe_live
 
 _UNSHARE_FLAGS = {"mount": CLONE_NEWNS, "ipc": CLONE_NEWIPC, "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
@@ -65,6 +68,7 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 __all__ = [
     "DeviceNode",
     "Exposed",
+    "PrivateDir",
     "SandboxSpec",
     "SandboxStepError",
     "SandboxSupport",
@@ -233,6 +237,16 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
     if spec.hide_paths:
         with step("hide paths"):
             mounts.hide(spec.hide_paths, exposed)
+    for where in spec.tmp_views:
+        with step(f"private /tmp on {where}"):
+            mounts.bind(mounts.TMP, where, flags=mounts.MS_NOSUID | mounts.MS_NODEV)
+    if spec.tmp_bytes is not None:
+        for where in spec.private_views:
+            with step(f"private view of {where}"):
+                mounts.private_overlay(where, spec.tmp_bytes)
+    for private in spec.private_dirs:
+        with step(f"private {private.path}"):
+            mounts.mount_private_dir(private)
 
 
 def switch_user(spec: SandboxSpec) -> None:

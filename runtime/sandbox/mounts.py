@@ -26,7 +26,7 @@ from pathlib import Path
 
 from nodeagent.errors import Unsupported
 from nodeagent.runtime.sandbox._sys import check, libc, mount_setattr_number
-from nodeagent.runtime.sandbox.spec import DeviceNode
+from nodeagent.runtime.sandbox.spec import DeviceNode, PrivateDir
 
 # include/uapi/linux/mount.h
 MS_RDONLY = 1
@@ -112,6 +112,52 @@ def make_private(path: str = "/") -> None:
 
 def mount_tmpfs(target: str, size: int, mode: int = 0o1777, flags: int = MS_NOSUID | MS_NODEV) -> None:
     mount("tmpfs", target, "tmpfs", flags, f"size={size},mode={mode:o}")
+
+
+def mount_private_dir(private: PrivateDir) -> None:
+    """A tmpfs of the worker's own on ``private.path`` (which must exist), owned as asked."""
+    mount(
+        "tmpfs",
+        private.path,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={private.size},mode={private.mode:o},uid={private.uid},gid={private.gid}",
+    )
+
+
+def private_overlay(path: str, size: int) -> str:
+    """Show the host's directory ``path`` as it is, with the worker's changes going to a tmpfs of
+    its own of ``size`` bytes: an overlay whose lower layer is the host's directory (reached
+    through a descriptor taken before the tmpfs covers it) and whose upper layer lives in that
+    tmpfs, under the overlay, out of the worker's reach. What the host staged there stays readable;
+    nothing a worker writes there reaches the host or another slot. Where the kernel has no
+    overlayfs the directory is shown read-only instead. Returns "overlay" or "read-only"."""
+    lower = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0755")
+        umask = os.umask(0)
+        try:
+            os.mkdir(f"{path}/upper", stat.S_IMODE(os.fstat(lower).st_mode))  # the overlay's root's mode
+            os.mkdir(f"{path}/work", 0o700)
+        finally:
+            os.umask(umask)
+        try:
+            mount(
+                "overlay",
+                path,
+                "overlay",
+                MS_NOSUID | MS_NODEV,
+                f"lowerdir=/proc/self/fd/{lower},upperdir={path}/upper,workdir={path}/work",
+            )
+        except OSError as err:
+            if err.errno not in (errno.ENODEV, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            umount(path, MNT_DETACH)
+            bind(f"/proc/self/fd/{lower}", path, flags=MS_RDONLY | MS_NOSUID | MS_NODEV)
+            return "read-only"
+        return "overlay"
+    finally:
+        os.close(lower)
 
 
 def bind(source: str, target: str, *, flags: int = 0, recursive: bool = False) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.sandbox.caps import capability_number
+from nodeagent.runtime.sandbox.paths import lexical
 from nodeagent.runtime.sandbox.seccomp import PROFILES, restricted_syscalls
 
 #: Namespaces a spec may ask for; the network namespace is the slot's own (entered by the launch
@@ -56,7 +57,7 @@ class DeviceNode:
     def __post_init__(self) -> None:
         name = self.path.removeprefix("/dev/")
         where = f"device node {self.path!r}"
-        if not self.path.startswith("/dev/") or not name or os.path.normpath(self.path) != self.path:
+        if not self.path.startswith("/dev/") or not name or lexical(self.path) != self.path:
             raise InvalidRequest(f"{where}: the path must be a normalised absolute path under /dev/")
         if name.split("/")[0] in SAFE_DEV_NAMES:
             raise InvalidRequest(f"{where}: /dev/{name.split('/')[0]} is made by the sandbox itself")
@@ -83,6 +84,19 @@ class Exposed:
 
 
 @dataclass(frozen=True)
+class PrivateDir:
+    """A tmpfs of the worker's own at ``path`` (its HOME, /run/lock): private to the slot, at most
+    ``size`` bytes, its pages charged to the slot's memory cgroup, gone with the worker's mount
+    namespace; never a place on the agent's state file system."""
+
+    path: str
+    size: int
+    mode: int = 0o700
+    uid: int = 0
+    gid: int = 0
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """One worker's sandbox. Sizes are bytes; ``None`` for /tmp or /dev/shm keeps the host's."""
 
@@ -104,9 +118,21 @@ class SandboxSpec:
     hide_paths: tuple[str, ...] = ()
     #: Paths under ``hide_paths`` shown again at the same place (bind mounts of the host's).
     expose: tuple[Exposed, ...] = ()
+    #: tmpfs mounts of the worker's own, made after the hidden paths (one may lie in a directory
+    #: shown again: HOME in the worker directory's view).
+    private_dirs: tuple[PrivateDir, ...] = ()
+    #: Where the private /tmp is shown again (TMPDIR in the worker directory's view): one
+    #: size-limited place for the worker's temporary files, not a directory on the host's disk.
+    tmp_views: tuple[str, ...] = ()
+    #: Shared host directories (/var/tmp) the worker sees as they are but writes to privately: an
+    #: overlay whose changes live in a tmpfs of ``tmp_bytes`` of its own (read-only without overlayfs).
+    private_views: tuple[str, ...] = ()
     cgroup_view: str = "read-only"
     #: A private /proc where other users' processes are invisible (hidepid=invisible).
     hide_other_processes: bool = True
+    #: Size of the tmpfs the launch puts on the worker's HOME (a PrivateDir); None: HOME is the
+    #: host directory as it is.
+    home_bytes: int | None = None
     #: Host directory for the worker's HOME (made by the agent, owned by ``uid``).
     home: str | None = None
     #: Where ``home`` is bind-mounted inside; None: HOME simply names ``home``.
@@ -126,17 +152,39 @@ class SandboxSpec:
             capability_number(name)  # raises InvalidRequest naming the unknown capability
         self._check_seccomp()
         self._check_namespaces()
-        for what, size in (("tmp_bytes", self.tmp_bytes), ("shm_bytes", self.shm_bytes)):
+        for what, size in (
+            ("tmp_bytes", self.tmp_bytes),
+            ("shm_bytes", self.shm_bytes),
+            ("home_bytes", self.home_bytes),
+        ):
             if size is not None and size < 4096:
                 raise InvalidRequest(f"sandbox {what}={size}: a private tmpfs needs at least 4096 bytes")
         if len({node.path for node in self.devices}) != len(self.devices):
             raise InvalidRequest("sandbox devices: the same /dev path is listed twice")
         if self.devices and not self.private_dev:
             raise InvalidRequest("sandbox devices are placed in the private /dev; they need private_dev")
-        for path in (*self.hide_paths, *(e.path for e in self.expose), self.home, self.home_mount):
-            if path is not None and (
-                not path.startswith("/") or os.path.normpath(path) != path or path == "/"
-            ):
+        for private in self.private_dirs:
+            if private.size < 4096 or not 0 <= private.mode <= 0o7777:
+                raise InvalidRequest(
+                    f"sandbox private directory {private.path!r}: a tmpfs needs at least 4096 bytes and "
+                    "permission bits (0-7777)"
+                )
+            _check_id(private.uid, f"sandbox private directory {private.path!r}: owner uid")
+            _check_id(private.gid, f"sandbox private directory {private.path!r}: owner gid")
+        if (self.tmp_views or self.private_views) and self.tmp_bytes is None:
+            raise InvalidRequest(
+                "sandbox tmp_views and private_views are as large as the private /tmp; they need tmp_bytes"
+            )
+        for path in (
+            *self.hide_paths,
+            *(e.path for e in self.expose),
+            *(p.path for p in self.private_dirs),
+            *self.tmp_views,
+            *self.private_views,
+            self.home,
+            self.home_mount,
+        ):
+            if path is not None and (not path.startswith("/") or lexical(path) != path or path == "/"):
                 raise InvalidRequest(f"sandbox path {path!r} must be a normalised absolute path other than /")
         for exposed in self.expose:
             if not any(_under(exposed.path, hidden) for hidden in self.hide_paths):
@@ -188,6 +236,10 @@ class SandboxSpec:
                     ("a private /dev", self.private_dev),
                     ("hidden paths", bool(self.hide_paths)),
                     ("a HOME mount", self.home_mount is not None),
+                    (
+                        "private directories",
+                        bool(self.private_dirs) or bool(self.tmp_views) or bool(self.private_views),
+                    ),
                     ("a read-only or namespaced /sys/fs/cgroup", self.cgroup_view != "host"),
                     ("a private /proc", self.hide_other_processes or "pid" in self.namespaces),
                     ("a read-only root", self.read_only_root),
@@ -226,13 +278,23 @@ class SandboxSpec:
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> SandboxSpec:
         fixed = dict(body)
-        for key in ("groups", "capabilities", "seccomp_allow", "namespaces", "hide_paths"):
+        for key in (
+            "groups",
+            "capabilities",
+            "seccomp_allow",
+            "namespaces",
+            "hide_paths",
+            "tmp_views",
+            "private_views",
+        ):
             if key in fixed:
                 fixed[key] = tuple(fixed[key])
         if "devices" in fixed:
             fixed["devices"] = tuple(DeviceNode(**node) for node in fixed["devices"])
         if "expose" in fixed:
             fixed["expose"] = tuple(Exposed(**item) for item in fixed["expose"])
+        if "private_dirs" in fixed:
+            fixed["private_dirs"] = tuple(PrivateDir(**item) for item in fixed["private_dirs"])
         try:
             return cls(**fixed)
         except TypeError as err:

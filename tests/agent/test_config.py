@@ -303,3 +303,11 @@ def test_the_examples_container_sections_are_the_defaults() -> None:
     docs = Path(__file__).resolve().parents[2] / "docs"
     example = tomllib.loads((docs / "config.example.toml").read_text())
     assert parse_config({"cdi": example["cdi"], "containers": example["containers"]}) == parse_config({})
+
+
+def test_the_state_reserve_is_a_quantity_within_bounds() -> None:
+    assert parse_config({}).state.reserve_bytes == 64 << 20
+    assert parse_config({"state": {"reserve": "1Gi"}}).state.reserve_bytes == 1 << 30
+    for bad, message in (("lots", "state.reserve"), ("1Mi", "expected from 16Mi"), ("2Ti", "to 1Ti")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({"state": {"reserve": bad}})

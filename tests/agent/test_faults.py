@@ -5,7 +5,7 @@ the Nth write to the state store, for every N an operation makes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +137,55 @@ def test_a_full_disk_refuses_before_anything_changes(manager: SlotManager, world
         manager.allocate(parse_slot_request(REQUEST))
     assert manager.list_slots() == []
     assert world.cgroups == {}
+
+
+def test_a_release_killed_before_its_directory_went_is_finished_at_the_next_start(
+    tmp_path: Path, world: World
+) -> None:
+    class OnDisk(FakeRuntime):
+        """Worker directories on disk by slot id."""
+
+        def __init__(self, dirs: set[str]) -> None:
+            super().__init__(world)
+            self.dirs = dirs
+
+        def reap(self, keep: Iterable[str]) -> list[str]:
+            gone = sorted(self.dirs - set(keep))
+            self.dirs -= set(gone)
+            return gone
+
+    def started(dirs: set[str]) -> tuple[SlotManager, OnDisk]:
+        runtime = OnDisk(dirs)
+        store = StateStore(tmp_path / "state.db", manifests=Manifests(tmp_path / "slots"))
+        manager = SlotManager(store, TOPOLOGY, FakeIsolation(world), runtime)
+        manager.start(supervise=False)
+        return manager, runtime
+
+    manager, _ = started(set())
+    held = manager.allocate(parse_slot_request(REQUEST)).slot
+    manager.close()
+    # The agent again: a SIGKILL during an earlier release left that slot's directory behind.
+    manager, runtime = started({held.id, "s0left0behind"})
+    try:
+        assert manager.report is not None
+        assert manager.report.worker_dirs_removed == ["s0left0behind"]
+        assert runtime.dirs == {held.id}  # a slot the database holds keeps its directory
+    finally:
+        manager.close()
+
+
+def test_below_the_reserve_node_says_degraded_allocate_refuses_and_release_works(
+    manager: SlotManager, world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = store_of(manager)
+    held = manager.allocate(parse_slot_request(REQUEST)).slot
+    assert not [d for d in manager.node().degraded if "reserve" in d]
+    monkeypatch.setattr(store, "free_bytes", lambda: store.reserve - 4096)
+    said = [d for d in manager.node().degraded if "reserve" in d]
+    assert said
+    assert "allocate refuses and slots' log output is dropped" in said[0]
+    with pytest.raises(InsufficientStorage, match=r"below the \d+ MiB the agent keeps .*\[state\] reserve"):
+        manager.allocate(parse_slot_request({**REQUEST, "name": "another"}))
+    manager.release(held.id)  # the reserve is there for this
+    assert manager.list_slots() == []
+    consistent(manager, world)

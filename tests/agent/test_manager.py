@@ -7,7 +7,7 @@ import dataclasses
 import ipaddress
 import logging
 import signal
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +277,9 @@ class FakeRuntime:
         return None
 
     def prune_released(self, before: float) -> list[str]:
+        return []
+
+    def reap(self, keep: Iterable[str]) -> list[str]:
         return []
 
     def close(self) -> None:

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
 from nodeagent.agent.config import parse_config
+from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.sandbox import SandboxConfig, SandboxPolicy, device_nodes
+from nodeagent.agent.state import StateStore
 from nodeagent.errors import ConfigError, InvalidRequest, Unsupported
 from nodeagent.runtime.sandbox import SandboxSupport
 from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES
+from nodeagent.schema.request import parse_slot_request
 from nodeagent.schema.worker import parse_worker_spec
+from tests.agent.test_manager import TOPOLOGY, FakeIsolation, FakeRuntime, World
 
 FULL = SandboxSupport(
     kernel="6.1.0",
@@ -117,7 +122,19 @@ def test_a_cgroup_namespace_view_adds_the_namespace() -> None:
         pytest.param(
             {}, {"workdir": "/tmp/models"}, r"workdir '/tmp/models' is not reachable", id="workdir-tmp"
         ),
-        pytest.param({}, {"workdir": f"{STATE}/x"}, r"is not reachable", id="workdir-hidden"),
+        pytest.param({}, {"workdir": f"{STATE}/x"}, r"lies inside '/var/lib/nodeagent'", id="workdir-hidden"),
+        pytest.param(
+            {},
+            {"workdir": "//var//lib//nodeagent//x/"},
+            r"workdir '//var//lib//nodeagent//x/' \(that is '/var/lib/nodeagent/x'\) lies inside",
+            id="workdir-doubled-slashes",
+        ),
+        pytest.param(
+            {},
+            {"workdir": "/var/tmp/../lib/nodeagent"},
+            r"workdir .* is '/var/lib/nodeagent'",
+            id="workdir-dotdot",
+        ),
     ],
 )
 def test_what_the_configuration_does_not_allow_is_refused(
@@ -201,3 +218,76 @@ def test_the_default_configuration_confines() -> None:
     assert not config.sandbox.allow_root
     assert not config.sandbox.allow_named_users
     assert config.sandbox.allowed_syscalls == config.sandbox.allowed_capabilities == ()
+
+
+def container(*mounts: tuple[str, str]) -> object:
+    return parse_worker_spec(
+        {
+            "container": {
+                "image": "localhost/server:1",
+                "mounts": [{"source": source, "target": target} for source, target in mounts],
+            }
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "how"),
+    [
+        (f"{STATE}/state.db", "lies inside"),
+        (f"{STATE}/state.db-wal", "lies inside"),
+        ("//var/lib//nodeagent/./state.db", "lies inside"),
+        (f"{STATE}/", "is"),
+        ("/var/lib/", "contains"),
+        ("/", "contains"),
+        ("/srv/../var/lib/nodeagent/workers", "lies inside"),
+    ],
+)
+def test_a_container_mount_of_a_hidden_path_is_refused_whatever_its_spelling(source: str, how: str) -> None:
+    # Also with the sandbox off: the mount would show the state database to the container's user.
+    for who in (policy(), policy(enabled=False)):
+        with pytest.raises(InvalidRequest, match=rf"mounts\[1\]\.source .*{how} '/var/lib/nodeagent'"):
+            who.check(container(("/srv/models", "/models"), (source, "/data")))  # type: ignore[arg-type]
+
+
+def test_a_container_mount_through_a_link_to_a_hidden_path_is_refused(tmp_path: Path) -> None:
+    base = tmp_path
+    state = base / "state"
+    state.mkdir()
+    (base / "link").symlink_to(state)
+    who = SandboxPolicy(SandboxConfig(), (str(state),), FULL, init=INIT)
+    with pytest.raises(InvalidRequest, match=r"that is '.*/state/state.db'\) lies inside"):
+        who.check(container((str(base / "link" / "state.db"), "/db")))  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match=r"target '//' is the container's root"):
+        who.check(container(("/srv", "//")))  # type: ignore[arg-type]
+    who.check(container(("/srv/models", "/var/lib/nodeagent")))  # type: ignore[arg-type]  # a target is the container's
+
+
+def test_allocate_refuses_a_container_mount_of_the_state_database_before_anything_is_placed(
+    tmp_path: Path,
+) -> None:
+    world = World()
+    store = StateStore(tmp_path / "state.db")
+    # The sandbox off (not root here): the mount would still show the database to the container.
+    who = SandboxPolicy(SandboxConfig(enabled=False), (str(tmp_path),), None)
+    manager = SlotManager(store, TOPOLOGY, FakeIsolation(world), FakeRuntime(world), sandbox=who)
+    manager.start(supervise=False)
+    try:
+        worker = {
+            "container": {
+                "image": "localhost/x:1",
+                "mounts": [{"source": f"{tmp_path}//state.db-wal", "target": "/w"}],
+            }
+        }
+        request = {
+            "name": "thief",
+            "qos": "burstable",
+            "resources": {"cpus": 0.5, "memory": "64Mi"},
+            "worker": worker,
+        }
+        with pytest.raises(InvalidRequest, match=r"mounts\[0\]\.source .* lies inside"):
+            manager.allocate(parse_slot_request(request))
+        assert manager.list_slots() == []
+        assert world.cgroups == {}
+    finally:
+        manager.close()

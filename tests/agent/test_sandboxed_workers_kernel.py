@@ -319,3 +319,72 @@ def test_a_program_under_the_hosts_tmp_fails_saying_why(manager: tuple[SlotManag
         assert "lies under /tmp, which the sandbox replaces with the slot's own" in said, said
     finally:
         shutil.rmtree(program.parent, ignore_errors=True)
+
+
+FILLER = """
+tag={tag}
+fill() {{ dd if=/dev/zero of="$1" bs=65536 count=400 2>&1 | grep -q "No space left" && echo "$2=ENOSPC"; }}
+fill "$HOME/fill" home
+fill "$TMPDIR/fill" tmpdir
+fill /var/tmp/$tag vartmp
+echo x > /run/lock/$tag && echo "runlock=written"
+echo "staged=$(cat /var/tmp/$tag-staged)"
+echo "home=$HOME tmpdir=$TMPDIR"
+touch /tmp/ready
+exec sleep 300
+"""
+
+
+def test_a_worker_filling_its_home_and_temporary_places_meets_its_own_limits(
+    manager: tuple[SlotManager, AgentConfig],
+) -> None:
+    """HOME, TMPDIR, /var/tmp and /run/lock are the slot's own tmpfs (charged to its memory
+    cgroup), not the agent's state file system or the host's shared directories: a worker writing
+    past them gets ENOSPC, the host sees none of it, and the agent goes on allocating."""
+    slots, cfg = manager
+    tag = f"natest{os.getpid()}-fill"
+    staged = Path("/var/tmp", f"{tag}-staged")  # what the host puts in /var/tmp stays readable
+    staged.write_text("yes\n")
+    staged.chmod(0o644)
+    try:
+        _fill(slots, cfg, tag)
+    finally:
+        staged.unlink()
+
+
+def _fill(slots: SlotManager, cfg: AgentConfig, tag: str) -> None:
+    slot = slots.allocate(
+        parse_slot_request(
+            {
+                "name": "filler",
+                "qos": "burstable",
+                "resources": {"cpus": 0.2, "memory": "128Mi"},
+                "worker": {
+                    "command": ["/bin/sh", "-c", FILLER.format(tag=tag)],
+                    "readiness": {"exec": {"argv": ["test", "-f", "/tmp/ready"]}, "period_seconds": 0.2},
+                    "sandbox": {"home_size": "4Mi", "tmp_size": "8Mi"},
+                    "stop_grace_seconds": 1,
+                },
+            }
+        )
+    ).slot
+    wait_for_phase(slots, slot.id, "running", timeout=30)
+    said = "\n".join(slots.logs(slot.id, 20))
+    for place in ("home", "tmpdir", "vartmp"):
+        assert f"{place}=ENOSPC" in said, said
+    assert "runlock=written" in said, said
+    assert "staged=yes" in said, said
+    assert not Path("/var/tmp", tag).exists()
+    assert not Path("/run/lock", tag).exists()
+    home = cfg.state_dir / "workers" / slot.id / "view" / "home"
+    assert f"home={home} " in said, said
+    # Only their mount points are on the state file system.
+    assert list(home.iterdir()) == []
+    assert list((home.parent / "tmp").iterdir()) == []
+    other = slots.allocate(
+        parse_slot_request(
+            {"name": "after", "qos": "burstable", "resources": {"cpus": 0.1, "memory": "32Mi"}}
+        )
+    ).slot
+    slots.release(other.id)
+    slots.release(slot.id)

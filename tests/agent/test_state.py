@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sqlite3
+import stat
 import threading
 from pathlib import Path
 
@@ -189,3 +191,20 @@ def test_a_used_up_uid_range_is_refused_with_what_to_do(store: StateStore) -> No
     store.sandbox_uid("s1", 700000, 700000, lambda uid: False)
     with pytest.raises(StateError, match=r"no free uid left in \[sandbox\] uid_range 700000-700000.*widen"):
         store.sandbox_uid("s2", 700000, 700000, lambda uid: False)
+
+
+def test_the_database_and_its_wal_are_the_agents_alone_whatever_the_umask(tmp_path: Path) -> None:
+    # It holds every slot's env: a worker sharing the host's file system must not read it.
+    old = os.umask(0)
+    try:
+        (tmp_path / "old.db-wal").write_text("")  # an older agent's, born 0666 here
+        for name in ("state.db", "old.db"):
+            s = StateStore(tmp_path / name)
+            with s.transaction():
+                s.add_event("test", "written")
+            s.close()
+    finally:
+        os.umask(old)
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert "state.db-wal" in made or "state.db" in made
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == dict.fromkeys(made, 0o600)

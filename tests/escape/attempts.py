@@ -200,9 +200,13 @@ def fork_many(count: int) -> tuple[bool, str]:
     return len(children) >= count, f"forked {len(children)} of {count}" + (f" ({failure})" if failure else "")
 
 
+#: Shared writable places of the host: a slot's litter in them must stay in its own mounts.
+LITTER_PLACES = ("/tmp", "/dev/shm", "/var/tmp", "/run/lock")
+
+
 def litter(name: str) -> None:
     written = []
-    for where in ("/tmp", "/dev/shm"):
+    for where in (p for p in LITTER_PLACES if os.path.isdir(p)):
         try:
             with open(f"{where}/{name}", "w") as handle:
                 handle.write("litter")

@@ -30,6 +30,7 @@ from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
 from nodeagent.schema.request import parse_slot_request
+from tests.escape.attempts import LITTER_PLACES
 from tests.workerpy import worker_visible, world_python
 
 ATTEMPTS = Path(__file__).with_name("attempts.py")
@@ -284,6 +285,11 @@ def control_run(targets: dict[str, Any], work: Path) -> tuple[Run, subprocess.Po
     return Run.parse(out.read_text().splitlines()), process
 
 
+def litter_places() -> tuple[str, ...]:
+    """Where the escaper leaves litter: the shared writable places this host has (attempts.py)."""
+    return tuple(p for p in LITTER_PLACES if os.path.isdir(p))
+
+
 def start_time(pid: int) -> int | None:
     return process_start_time(pid)
 
@@ -325,7 +331,7 @@ def escape_suite(tmp_path: Path, tag: str, *, network: bool) -> None:
             print(f"slot:    {name:32} escaped={v['escaped']!s:5} {v['detail']}")
         escaped = {name: v["detail"] for name, v in confined.verdicts.items() if v["escaped"]}
         assert not escaped, f"escaped from a default slot: {escaped}"
-        assert confined.litter == ["/tmp", "/dev/shm"], confined.litter  # written, in its own mounts
+        assert confined.litter == list(litter_places()), confined.litter  # written, in its own mounts
 
         # SIGKILL the worker: nothing of its tree may keep running, nothing may be left behind.
         killed = kill_escaper(slots)
@@ -333,7 +339,7 @@ def escape_suite(tmp_path: Path, tag: str, *, network: bool) -> None:
             f"the escaper's orphan {confined.orphan.pid} to be ended", lambda: not alive(confined.orphan)
         )
         wait_until(f"the escaper {killed} to be gone", lambda: not Path(f"/proc/{killed}").exists(), 10)
-        for where in ("/tmp", "/dev/shm"):
+        for where in litter_places():
             assert not Path(where, litter).exists(), f"the worker left {where}/{litter} on the host"
 
         # The control: the same attempts, as root outside every slot, without a sandbox, against
@@ -355,7 +361,7 @@ def escape_suite(tmp_path: Path, tag: str, *, network: bool) -> None:
                 refused = {name: v["detail"] for name, v in free.verdicts.items() if not v["escaped"]}
                 assert sorted(free.verdicts) == sorted(expected)
                 assert not refused, f"the control could not do what the slot was kept from: {refused}"
-                assert all(Path(where, litter).exists() for where in ("/tmp", "/dev/shm"))
+                assert all(Path(where, litter).exists() for where in litter_places())
                 control.kill()
                 control.wait(timeout=10)
                 assert alive(free.orphan), "the control's orphan should outlive it (nothing ends its tree)"
@@ -371,7 +377,7 @@ def escape_suite(tmp_path: Path, tag: str, *, network: bool) -> None:
         if control is not None and control.poll() is None:
             control.kill()
             control.wait(timeout=10)
-        for where in ("/tmp", "/dev/shm"):
+        for where in litter_places():
             with contextlib.suppress(FileNotFoundError):
                 Path(where, litter).unlink()
         host_listener.close()

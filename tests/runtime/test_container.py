@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.errors import WorkerError
+from nodeagent.errors import InvalidRequest, WorkerError
 from nodeagent.runtime.container import (
     ContainerLauncher,
     PodmanConfig,
@@ -95,6 +95,19 @@ def test_without_sandbox_or_cgroup() -> None:
     line = argv(spec, sandbox=None, cgroup=None, init=None)
     assert not [a for a in line if a.startswith(("--user", "--cap-", "--cgroup-parent", "--init"))]
     assert line[-1] == "busybox"
+
+
+def test_a_mount_that_became_a_link_to_a_hidden_path_is_refused_at_launch(tmp_path: Path) -> None:
+    # Checked at submit; a link swapped in later is caught again when the command line is built.
+    state = tmp_path / "state"
+    state.mkdir()
+    (tmp_path / "models").symlink_to(state)
+    spec = parse_worker_spec(
+        {"container": {"image": "busybox", "mounts": [{"source": f"{tmp_path}/models", "target": "/m"}]}}
+    )
+    hiding = SandboxSpec(uid=600001, gid=600001, hide_paths=(str(state),))
+    with pytest.raises(InvalidRequest, match=r"mounts\[0\]\.source .* is '.*/state'"):
+        argv(spec, sandbox=hiding)
 
 
 def test_the_launch_path_runs_podman_as_root_with_nothing_of_the_worker() -> None:

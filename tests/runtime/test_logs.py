@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
 
 from nodeagent.errors import NotFound
 from nodeagent.runtime.logs import (
+    MAX_LINE_BYTES,
+    MAX_READ_BYTES,
     MAX_RECORD_CONTENT,
     LogLine,
     LogStream,
@@ -112,3 +116,66 @@ def test_reading_a_missing_log_says_why(tmp_path):
 def test_bad_rotation_settings_are_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="max_bytes"):
         LogStream(tmp_path, max_bytes=0)
+
+
+def test_one_huge_line_is_read_back_cut_and_in_bounded_memory(tmp_path: Path) -> None:
+    # 30 MB in one line (cut into partial records as it is written), then an ordinary line.
+    stream = LogStream(tmp_path, max_bytes=64 << 20, backups=1)
+    chunk = b"x" * (1 << 20)
+    for _ in range(30):
+        stream.write("stdout", chunk, ns=1)
+    stream.write("stdout", b"\nlast\n", ns=2)
+    stream.close()
+    tracemalloc.start()
+    try:
+        lines = read_log(tmp_path, lines=10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert lines[-1].text == "last"
+    huge = lines[-2].text
+    assert huge.startswith("x" * MAX_LINE_BYTES)
+    assert huge.endswith(" more bytes of this line not shown]")
+    assert sum(len(line.text) for line in lines) < MAX_LINE_BYTES + 100
+    # What one answer takes in is bounded by MAX_READ_BYTES, not by the line's 30 MB.
+    assert peak < 4 * MAX_READ_BYTES
+
+
+class FakeDisk:
+    """os.fstatvfs with a free space the test sets (bytes)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, fd: int) -> os.statvfs_result:
+        return os.statvfs_result((4096, 4096, 1 << 20, 0, self.free // 4096, 0, 0, 0, 0, 255))
+
+
+def test_below_the_reserve_a_log_gives_up_its_rotations_then_drops_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = FakeDisk(free=1 << 30)
+    monkeypatch.setattr(os, "fstatvfs", disk)
+    stream = LogStream(tmp_path, max_bytes=200, backups=2, reserve_bytes=64 << 20)
+    for n in range(12):
+        stream.write("stdout", b"line %d\n" % n, ns=T0 + n)
+    assert (tmp_path / "worker.log.2").exists()
+    # The file system falls below the reserve: the oldest rotations go first ...
+    disk.free = (64 << 20) + 10
+    stream.write("stdout", b"still no room once they are gone\n", ns=T0 + 20)
+    assert not (tmp_path / "worker.log.2").exists()
+    assert not (tmp_path / "worker.log.1").exists()
+    assert stream.dropped > 0
+    # ... then the output is dropped, counted, and said once space returns.
+    stream.write("stderr", b"lost\n", ns=T0 + 21)
+    lost = stream.dropped
+    disk.free = 1 << 30
+    stream.write("stdout", b"back\n", ns=T0 + 22)
+    stream.close()
+    assert stream.dropped == 0
+    text = [line.render() for line in read_log(tmp_path, 3)]
+    assert text[-2] == (
+        f"[stderr] [nodeagent] {lost} bytes of this worker's output were dropped: the state file system "
+        "was below the agent's reserve ([state] reserve)"
+    )
+    assert text[-1] == "back"

@@ -16,10 +16,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from nodeagent.runtime.sandbox import (
+    PrivateDir,
     SandboxSpec,
     enter_sandbox,
     fork_into_new_pid_namespace,
@@ -209,3 +211,50 @@ def os_error_of(action: Callable[[], object]) -> int:
     except OSError as err:
         return err.errno or -1
     return 0
+
+
+#: A worker filling its private places (argv: the slot's memory usage file, its HOME, a name for
+#: /var/tmp): JSON with the usage after each step and what the last, oversized write met.
+PRIVATE_PLACES = """
+import errno, json, sys
+usage_file, home, name = sys.argv[1:4]
+def usage():
+    return int(open(usage_file).read())
+def fill(path, size):
+    try:
+        with open(path, "wb") as out:
+            out.write(b"x" * size)
+        return "written"
+    except OSError as err:
+        return errno.errorcode[err.errno]
+seen = {"before": usage()}
+seen["home"] = fill(home + "/f", 8 << 20)
+seen["after_home"] = usage()
+seen["var_tmp"] = fill("/var/tmp/" + name, 8 << 20)
+seen["after_var_tmp"] = usage()
+seen["home_past_its_size"] = fill(home + "/g", 16 << 20)
+print(json.dumps(seen))
+"""
+
+
+def check_private_places(
+    run_in_slot: Callable[[SandboxSpec, list[str]], Finished], usage_file: str, home: Path
+) -> None:
+    """HOME (a 16 MiB tmpfs of the worker's own) and /var/tmp (an overlay whose writes live in a
+    tmpfs) are charged to the slot's memory cgroup, size-limited, and leave nothing on the host."""
+    home.mkdir()
+    name = f"natest{os.getpid()}-private"
+    spec = SandboxSpec(
+        uid=NOBODY,
+        gid=NOBODY,
+        private_dirs=(PrivateDir(str(home), 16 << 20, 0o700, NOBODY, NOBODY),),
+        private_views=("/var/tmp",),
+    )
+    finished = run_in_slot(spec, [*python(PRIVATE_PLACES), usage_file, str(home), name])
+    assert finished.returncode == 0, finished.output
+    seen = json.loads(finished.output)
+    assert (seen["home"], seen["var_tmp"], seen["home_past_its_size"]) == ("written", "written", "ENOSPC")
+    assert seen["after_home"] - seen["before"] >= 7 << 20, seen
+    assert seen["after_var_tmp"] - seen["after_home"] >= 7 << 20, seen
+    assert list(home.iterdir()) == []
+    assert not os.path.exists(f"/var/tmp/{name}")

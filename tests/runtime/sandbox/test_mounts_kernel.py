@@ -24,7 +24,16 @@ from nodeagent.runtime.sandbox import (
     enter_sandbox,
     mounts,
 )
-from tests.runtime.sandbox.child import NOBODY, Child, in_child, os_error_of, python, run, start
+from tests.runtime.sandbox.child import (
+    NOBODY,
+    Child,
+    check_private_places,
+    in_child,
+    os_error_of,
+    python,
+    run,
+    start,
+)
 
 pytestmark = pytest.mark.root
 
@@ -461,3 +470,10 @@ def test_a_hidden_directory_shows_only_what_is_exposed_in_it(host_dir: Path):
     free = json.loads(run(None, [*python(SEE_VIEW), str(state), str(view)], user=NOBODY).output)
     assert free["state"] == ["secret", "workers"]
     assert free["secret"] == "s3cret"
+
+
+def test_home_and_var_tmp_are_private_limited_and_charged_to_the_slot(slot, host_dir: Path):
+    usage = slot.dirs["memory"] / "memory.usage_in_bytes"
+    check_private_places(
+        lambda spec, argv: run(spec, argv, cgroup_procs=slot.procs_files), str(usage), host_dir / "home"
+    )

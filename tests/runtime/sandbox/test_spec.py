@@ -8,7 +8,7 @@ import re
 import pytest
 
 from nodeagent.errors import InvalidRequest
-from nodeagent.runtime.sandbox import DeviceNode, Exposed, SandboxSpec, home_directory
+from nodeagent.runtime.sandbox import DeviceNode, Exposed, PrivateDir, SandboxSpec, home_directory
 
 INIT = "/usr/local/bin/dumb-init"
 
@@ -40,6 +40,10 @@ def test_json_round_trip_keeps_every_field():
         expose=(Exposed("/var/lib/nodeagent/workers/s1/view", writable=True),),
         home="/var/lib/nodeagent/homes/a",
         home_mount="/home/worker",
+        home_bytes=1 << 20,
+        private_dirs=(PrivateDir("/var/lib/nodeagent/workers/s1/view/home", 1 << 20, 0o700, 600001, 600001),),
+        tmp_views=("/var/lib/nodeagent/workers/s1/view/tmp",),
+        private_views=("/var/tmp",),
         hostname="slot-a",
         read_only_root=True,
         init=INIT,
@@ -92,6 +96,11 @@ def test_home_is_the_mount_point_when_there_is_one():
         pytest.param({"hide_paths": ("/",)}, "other than /", id="hide-root"),
         pytest.param({"home": "/h/../etc"}, "normalised absolute path", id="home-dotdot"),
         pytest.param({"home_mount": "/home/w"}, "needs home", id="home-mount-without-home"),
+        pytest.param({"home_bytes": 10}, "at least 4096 bytes", id="tiny-home"),
+        pytest.param({"private_dirs": (PrivateDir("/run/lock", 100),)}, "at least 4096 bytes", id="tiny-dir"),
+        pytest.param({"private_dirs": (PrivateDir("//run/lock", 8192),)}, "normalised", id="dir-slashes"),
+        pytest.param({"tmp_bytes": None, "private_views": ("/var/tmp",)}, "need tmp_bytes", id="view-no-tmp"),
+        pytest.param({"private_views": ("/var/tmp/",)}, "normalised", id="view-trailing-slash"),
         pytest.param(
             {"expose": (Exposed("/srv/view"),)}, "no hidden path covers it", id="expose-without-hiding"
         ),

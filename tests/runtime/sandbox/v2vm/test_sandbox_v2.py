@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.runtime.sandbox import SandboxSpec, enter_sandbox, probe_live
-from tests.runtime.sandbox.child import NOBODY, in_child, os_error_of, python, run
+from tests.runtime.sandbox.child import NOBODY, check_private_places, in_child, os_error_of, python, run
 
 ROOT = Path("/sys/fs/cgroup")
 
@@ -94,3 +94,11 @@ def test_cgroupfs_is_read_only_for_root_and_writable_without_the_sandbox():
 
 def test_live_probe_finds_every_piece():
     assert {key: value for key, value in probe_live().items() if value != "ok"} == {}
+
+
+def test_home_and_var_tmp_are_private_limited_and_charged_to_the_slot(v2_slot: Path, host_dir: Path):
+    check_private_places(
+        lambda spec, argv: run(spec, argv, cgroup_procs=[str(v2_slot / "cgroup.procs")]),
+        str(v2_slot / "memory.current"),
+        host_dir / "home",
+    )
