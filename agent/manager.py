@@ -90,7 +90,7 @@ from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import WorkerRuntime
-from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch
+from nodeagent.schema.request import SLOT_ID_FORM, ResourceChanges, SlotRequest, apply_patch
 from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.manager")
@@ -101,7 +101,9 @@ log = logging.getLogger("nodeagent.manager")
 
 def new_slot_id() -> str:
     # Short, unique, and a valid cgroup, netns and file name.
-    return "s" + secrets.token_hex(6)
+    slot_id = "s" + secrets.token_hex(6)
+    assert SLOT_ID_FORM.fullmatch(slot_id), "ids keep the form names may not take"
+    return slot_id
 
 
 def _describe(a: Assignment) -> str:

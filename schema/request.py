@@ -49,6 +49,10 @@ NUMA_POLICIES: tuple[NumaPolicy, ...] = ("single", "prefer", "none")
 
 #: A slot name becomes a cgroup directory and a netns name later: keep it a safe identifier.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
+#: The form of the ids the agent gives slots ("s" and 12 hex digits). Names of this form are
+#: refused: an id and a name are looked up alike (GET/DELETE /v1/slots/<id or name>), and a slot
+#: named like another's id would make that other slot's id name this one.
+SLOT_ID_FORM = re.compile(r"s[0-9a-f]{12}")
 _DEVICE_PATH = re.compile(r"/dev/[A-Za-z0-9._+-]+(?:/[A-Za-z0-9._+-]+)*")
 
 MAX_CPUS = 16384
@@ -68,6 +72,11 @@ def _slot_name(value: str) -> str:
         raise ValueError(
             f"{shown(value)} is not a safe identifier; use 1-63 characters of a-z, 0-9, '.', '_' or '-', "
             "starting with a letter or digit"
+        )
+    if SLOT_ID_FORM.fullmatch(value) is not None:
+        raise ValueError(
+            f"{shown(value)} has the form of a slot id ('s' and 12 hex digits), which the agent gives "
+            "slots; ids and names are looked up alike, so choose a name of another form"
         )
     return value
 
@@ -111,8 +120,8 @@ SlotName = Annotated[
     str,
     AfterValidator(_slot_name),
     Field(
-        description="1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit; "
-        "unique on the node, and the idempotency key.",
+        description="1-63 characters of a-z, 0-9, '.', '_' or '-', starting with a letter or digit, and "
+        "not of the form of a slot id ('s' and 12 hex digits); unique on the node, and the idempotency key.",
         json_schema_extra={"pattern": f"^{NAME_PATTERN.pattern}$", "maxLength": 63},
         examples=["llm-a"],
     ),

@@ -128,6 +128,9 @@ def test_profile_alone_means_one_instance() -> None:
             {"name": "../etc", "qos": "guaranteed"}, "is not a safe identifier", id="name-traversal"
         ),
         pytest.param({"name": "a" * 64, "qos": "guaranteed"}, "is not a safe identifier", id="name-too-long"),
+        pytest.param(
+            {"name": "s0123456789ab", "qos": "guaranteed"}, "has the form of a slot id", id="name-like-an-id"
+        ),
         pytest.param({"name": "a", "qos": "gold"}, "qos must be one of guaranteed | burstable", id="bad-qos"),
         pytest.param({"name": "a"}, "qos is missing; use one of guaranteed | burstable", id="no-qos"),
         pytest.param(
