@@ -48,6 +48,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import secrets
 import sys
 import time
@@ -519,10 +520,34 @@ def _exact_float(text: str) -> float:
     return value
 
 
+#: The deepest nesting a body may have: a slot request is about 6 deep; a body nested near
+#: Python's recursion limit would fail deep inside the parsers (a 500) instead of being refused.
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def json_depth(body: bytes) -> int:
+    """How deep a JSON body's arrays and objects nest (strings left out: brackets in them count
+    for nothing); a malformed body's figure is the parser's to refuse."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub(b'""', body)):
+        if bracket.group() in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
 def json_ambiguity(body: bytes) -> str | None:
     """What in a JSON body a plain parse would silently bend: a key given twice (the last one would
-    win) or a non-zero number that underflows to 0 (1e-400). None when there is nothing, or when
-    the body is not JSON at all (that answer, 400, is the framework's)."""
+    win) or a non-zero number that underflows to 0 (1e-400); or nesting deeper than any request
+    needs (:data:`MAX_JSON_DEPTH`). None when there is nothing, or when the body is not JSON at all
+    (that answer, 400, is the framework's)."""
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        return f"nested {depth} deep; requests nest a few levels, at most {MAX_JSON_DEPTH}"
     try:
         json.loads(body, object_pairs_hook=_no_duplicate_keys, parse_float=_exact_float)
     except _Ambiguous as err:

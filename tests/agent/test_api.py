@@ -528,6 +528,16 @@ def test_metrics_registries_are_private() -> None:
             "1e-400 is too small to be told from 0",
             id="underflow",
         ),
+        pytest.param(
+            b'{"name": "a", "qos": "burstable", "worker": {"env": ' + b"[" * 1000 + b"]" * 1000 + b"}}",
+            "nested 1002 deep",
+            id="nested-1000-deep",
+        ),
+        pytest.param(
+            b'{"name": "a", "qos": "burstable", "x": ' + b'{"k": ' * 200 + b"1" + b"}" * 200 + b"}",
+            "at most 64",
+            id="objects-nested-200-deep",
+        ),
     ],
 )
 def test_json_a_plain_parser_would_bend_is_refused_and_changes_nothing(raw: bytes, message: str) -> None:
