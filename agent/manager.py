@@ -90,7 +90,13 @@ from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.workers import WorkerRuntime
-from nodeagent.schema.request import SLOT_ID_FORM, ResourceChanges, SlotRequest, apply_patch
+from nodeagent.schema.request import (
+    SLOT_ID_FORM,
+    ResourceChanges,
+    SlotRequest,
+    apply_patch,
+    check_client_request,
+)
 from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.manager")
@@ -306,6 +312,7 @@ class SlotManager:
     # ------------------------------------------------------------------ SlotService: allocate
 
     def allocate(self, req: SlotRequest) -> AllocateResult:
+        check_client_request(req)
         if req.worker is not None:
             # A preset that lacks a field, or a program that is not there, refuses before anything
             # is placed.

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from nodeagent.errors import InvalidRequest
 from nodeagent.schema.base import AsTuple, StrictModel
 from nodeagent.schema.errors import invalid_request
 from nodeagent.schema.quantity import (
@@ -192,7 +193,11 @@ class Resources(StrictModel):
         description="CPUs. Guaranteed slots: a whole number of exclusive CPUs (whole physical cores). "
         'Burstable and best-effort: a quota on the shared pool, with up to 3 decimals or "500m".',
     )
-    memory: Bytes = Field(default=0, description="Memory limit.")
+    memory: Bytes = Field(
+        default=0,
+        description="Memory limit: required for guaranteed and burstable slots; left out of a best-effort "
+        "slot, it has no limit of its own (what others leave). An explicit 0 is refused.",
+    )
     gpus: DeviceCount = Field(default=0, description="Whole GPUs, or MIG instances when gpu_profile is set.")
     gpu_profile: Annotated[str, Field(min_length=1, max_length=64)] | None = Field(
         default=None, description='A MIG profile such as "1g.10gb"; alone it means one instance.'
@@ -354,8 +359,24 @@ def request_to_dict(request: SlotRequest) -> dict[str, Any]:
     return body
 
 
+#: What a client's explicit ``memory: 0`` would mean, and why it is refused.
+ZERO_MEMORY = (
+    "resources.memory: 0 is not a limit (it would leave the slot's memory unlimited); give a size, "
+    "or leave memory out of a best-effort slot to have it bounded only by what others leave"
+)
+
+
+def check_client_request(request: SlotRequest) -> None:
+    """What only a client's own words can get wrong (stored requests spell every default out):
+    an explicit ``memory: 0``."""
+    if "memory" in request.resources.model_fields_set and request.resources.memory == 0:
+        raise InvalidRequest(ZERO_MEMORY)
+
+
 def apply_patch(request: SlotRequest, patch: ResourceChanges) -> SlotRequest:
     """``request`` with the resources ``patch`` names changed; InvalidRequest if the result is not valid."""
+    if patch.changes().get("memory") == 0:
+        raise InvalidRequest(ZERO_MEMORY)
     body = request_to_dict(request)
     body["resources"] = {**body["resources"], **patch.changes()}
     return parse_slot_request(body)
@@ -383,6 +404,7 @@ __all__ = [
     "ResourcesPatch",
     "SlotRequest",
     "apply_patch",
+    "check_client_request",
     "format_quantity",
     "format_quantity_short",
     "parse_quantity",

@@ -364,6 +364,17 @@ def test_every_slot_event_is_one_structured_line_of_the_agents_log(
     assert told[-1][2] == "slot 'web' released"
 
 
+def test_an_explicit_memory_of_0_is_refused_not_taken_for_unlimited(make: Any) -> None:
+    manager = make()
+    zero = {"name": "be", "qos": "best-effort", "resources": {"cpus": 0.5, "memory": 0}}
+    with pytest.raises(InvalidRequest, match="0 is not a limit"):
+        manager.allocate(parse_slot_request(zero))
+    unbounded = manager.allocate(parse_slot_request({"name": "be", "qos": "best-effort"})).slot
+    with pytest.raises(InvalidRequest, match="0 is not a limit"):
+        manager.resize(unbounded.id, ResourcesPatch.model_validate({"memory": 0}))
+    assert manager.get_slot("be").request.resources.memory == 0  # left as it was, unbounded
+
+
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
     manager = make()
     first = manager.allocate(parse_slot_request(guaranteed()))
