@@ -84,6 +84,7 @@ from nodeagent.placement import (
     placement_index,
     plan,
 )
+from nodeagent.runtime.limits import RlimitCeilings, host_ceilings
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
 from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted_ports
@@ -144,12 +145,14 @@ class SlotManager:
         port_in_use: Callable[[int], bool] = in_use_on_host,
         find_program: FindProgram | None = None,
         log_retention_seconds: float = 0.0,
+        rlimit_ceilings: RlimitCeilings | None = None,
     ) -> None:
         """``port_range``: where workers' ports are assigned from; ``port_in_use``: whether a host
         port has a listener outside the slots (runtime.ports). ``find_program``: look a worker's program
         up when it is submitted (refused at once when missing) and run it by its absolute path; None:
         the launch finds it. ``log_retention_seconds``: how long a released slot's worker logs are
-        kept (0: removed with the slot).
+        kept (0: removed with the slot). ``rlimit_ceilings``: what a worker's rlimits may ask for
+        (runtime.limits; None: this process's own, read now).
         ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
@@ -168,6 +171,7 @@ class SlotManager:
         self._port_range = port_range
         self._port_in_use = port_in_use
         self._find_program = find_program
+        self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
         self._log_retention = log_retention_seconds
         self._started_at = clock()
         self._lock = threading.RLock()
@@ -317,6 +321,7 @@ class SlotManager:
             # A preset that lacks a field, or a program that is not there, refuses before anything
             # is placed.
             resolve(req.worker, find=self._find_program)
+            self._rlimit_ceilings.check(req.worker.rlimits)
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
             check_container(self._cdi, req.worker)
@@ -588,6 +593,7 @@ class SlotManager:
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
             resolve(body, find=self._find_program)
+            self._rlimit_ceilings.check(body.rlimits)
             if self._sandbox is not None:
                 self._sandbox.check(body)
             check_container(self._cdi, body)

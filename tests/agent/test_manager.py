@@ -375,6 +375,14 @@ def test_an_explicit_memory_of_0_is_refused_not_taken_for_unlimited(make: Any) -
     assert manager.get_slot("be").request.resources.memory == 0  # left as it was, unbounded
 
 
+def test_rlimits_the_launch_could_not_set_are_refused_at_submit(make: Any, world: World) -> None:
+    manager = make()
+    worker = {"command": ["/bin/sleep", "60"], "rlimits": {"nofile": [1024, 10**32]}}
+    with pytest.raises(InvalidRequest, match=r"worker\.rlimits\.nofile: the hard limit"):
+        manager.allocate(parse_slot_request({**guaranteed(), "worker": worker}))
+    assert manager.list_slots() == []
+
+
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
     manager = make()
     first = manager.allocate(parse_slot_request(guaranteed()))
