@@ -58,7 +58,7 @@ from nodeagent import __version__
 from nodeagent.agent.cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
-from nodeagent.agent.sandbox import SandboxPolicy, slot_device_paths, taken_by_host
+from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
@@ -172,6 +172,7 @@ class SlotManager:
         self._port_in_use = port_in_use
         self._find_program = find_program
         self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
+        self._host_memory = sum(node.memory_bytes or 0 for node in topology.numa_nodes)
         self._log_retention = log_retention_seconds
         self._started_at = clock()
         self._lock = threading.RLock()
@@ -322,6 +323,7 @@ class SlotManager:
             # is placed.
             resolve(req.worker, find=self._find_program)
             self._rlimit_ceilings.check(req.worker.rlimits)
+            check_private_sizes(req.worker, self._host_memory)
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
             check_container(self._cdi, req.worker)
@@ -594,6 +596,7 @@ class SlotManager:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
             resolve(body, find=self._find_program)
             self._rlimit_ceilings.check(body.rlimits)
+            check_private_sizes(body, self._host_memory)
             if self._sandbox is not None:
                 self._sandbox.check(body)
             check_container(self._cdi, body)

@@ -39,7 +39,7 @@ from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT, ROO
 from nodeagent.runtime.sandbox.paths import Relation, describe, lexical, meets_hidden, relation
 from nodeagent.runtime.sandbox.seccomp import restricted_syscalls
 from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES, PrivateDir
-from nodeagent.schema.quantity import parse_quantity
+from nodeagent.schema.quantity import format_quantity, parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
 _MAX_UID = 2**31 - 1
@@ -59,6 +59,22 @@ def default_init() -> str | None:
 
 def _is_root(value: str | int | None) -> bool:
     return value in (0, "root")
+
+
+def check_private_sizes(spec: WorkerSpec, host_memory_bytes: int) -> None:
+    """Refuse (InvalidRequest) a private tmpfs (``/tmp``, ``/dev/shm``, HOME) larger than this
+    host's memory: a tmpfs is memory, charged to the slot, and a size no host could fill (1Ei)
+    is a typo, not a limit."""
+    opt = spec.sandbox
+    if opt is None or host_memory_bytes <= 0:
+        return
+    for name, size in (("tmp_size", opt.tmp_size), ("shm_size", opt.shm_size), ("home_size", opt.home_size)):
+        if size is not None and size > host_memory_bytes:
+            raise InvalidRequest(
+                f"worker.sandbox.{name}: {format_quantity(size)} is more than this host's memory "
+                f"({format_quantity(host_memory_bytes)}); a tmpfs is memory charged to the slot: ask for at "
+                "most its memory limit"
+            )
 
 
 @dataclass
