@@ -383,6 +383,14 @@ def test_rlimits_the_launch_could_not_set_are_refused_at_submit(make: Any, world
     assert manager.list_slots() == []
 
 
+def test_a_private_tmpfs_larger_than_the_host_is_refused_at_submit(make: Any) -> None:
+    manager = make()
+    worker = {"command": ["/bin/sleep", "60"], "sandbox": {"tmp_size": "1Ei"}}
+    with pytest.raises(InvalidRequest, match=r"worker\.sandbox\.tmp_size: 1Ei is more than this host"):
+        manager.allocate(parse_slot_request({**guaranteed(), "worker": worker}))
+    assert manager.list_slots() == []
+
+
 def test_same_request_is_idempotent_and_different_is_conflict(make: Any) -> None:
     manager = make()
     first = manager.allocate(parse_slot_request(guaranteed()))
