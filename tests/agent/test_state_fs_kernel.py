@@ -17,6 +17,7 @@ from nodeagent.agent.config import AgentConfig, StateConfig
 from nodeagent.agent.daemon import build_manager
 from nodeagent.agent.manager import SlotManager
 from nodeagent.devices.discovery import discover
+from nodeagent.errors import NotFound
 from nodeagent.schema.request import parse_slot_request
 from tests.escape.harness import config_for, tear_down, wait_until
 
@@ -70,7 +71,10 @@ def test_a_flooding_slot_keeps_to_the_reserve_and_release_and_restart_work(small
 
         def done() -> bool:
             manager.tick()
-            return any(line.endswith("FLOOD-DONE") for line in manager.logs(flooder.id, 3))
+            try:
+                return any(line.endswith("FLOOD-DONE") for line in manager.logs(flooder.id, 3))
+            except NotFound:
+                return False  # nothing written yet
 
         wait_until("the flood to be written", done, 120)
         # The log gave up its own rotations rather than take the agent's reserve.
