@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.journal import journal_handler
@@ -306,6 +307,7 @@ def build_manager(
         config.database_path,
         manifests=Manifests(config.state_dir / "slots"),
         reserve=config.state.reserve_bytes,
+        ballast=Ballast(config.state_dir),
     )
     if isinstance(isolation, KernelIsolation) and layout is not None:
         try:

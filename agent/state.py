@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
 from nodeagent.errors import Conflict, InsufficientStorage, NodeAgentError
@@ -233,12 +234,16 @@ class StateStore:
         manifests: Manifests | None = None,
         clock: Callable[[], float] = time.time,
         reserve: int = MIN_FREE_BYTES,
+        ballast: Ballast | None = None,
     ) -> None:
         """``manifests``: where to keep each slot's manifest (agent.recovery), None for none.
         ``reserve``: free bytes on the state file system kept for the agent's own records
-        ([state] reserve): what allocate leaves alone, and below which the store is ``short``."""
+        ([state] reserve): what allocate leaves alone, and below which the store is ``short``.
+        ``ballast``: room held for the agent's own writes when something else fills the file
+        system (agent.ballast), given up before a write that would find none; None for none."""
         self.path = path
         self.reserve = reserve
+        self._ballast = ballast
         self.manifests = manifests
         self._clock = clock
         self._lock = threading.RLock()
@@ -247,6 +252,8 @@ class StateStore:
         #: Events of the transaction under way, logged when it commits (:func:`_log_event`).
         self._told: list[tuple[str, str, str | None]] = []
         try:
+            if ballast is not None:
+                ballast.spare_room()  # opening recreates the WAL and shared-memory files
             _private_file(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -263,6 +270,8 @@ class StateStore:
             raise StateError(
                 f"cannot open the state database {path}: {err}; check the state directory"
             ) from err
+        if ballast is not None:
+            ballast.restore(reserve)
 
     # --- plumbing -----------------------------------------------------------------------------
 
@@ -303,6 +312,8 @@ class StateStore:
                 finally:
                     self._depth -= 1
                 return
+            if self._ballast is not None:
+                self._ballast.spare_room()
             try:
                 if durable is not self._durable:
                     # Only settable between transactions; FULL makes COMMIT wait for the disk.
@@ -366,6 +377,8 @@ class StateStore:
                 f"{minimum // (1024 * 1024)} MiB the agent keeps for its records ([state] reserve); "
                 "nothing was changed. Free space there, then retry"
             )
+        if self._ballast is not None:
+            self._ballast.restore(self.reserve)  # given up when the disk filled, back once it has room
 
     def short(self) -> str | None:
         """Why the state file system is below the reserve, for /v1/node's ``degraded``; None when

@@ -372,7 +372,8 @@ def _fill(slots: SlotManager, cfg: AgentConfig, tag: str) -> None:
     said = "\n".join(slots.logs(slot.id, 20))
     for place in ("home", "tmpdir", "vartmp"):
         assert f"{place}=ENOSPC" in said, said
-    assert "runlock=written" in said, said
+    if os.path.isdir("/run/lock"):  # a host without one gets none in the slot either
+        assert "runlock=written" in said, said
     assert "staged=yes" in said, said
     assert not Path("/var/tmp", tag).exists()
     assert not Path("/run/lock", tag).exists()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.agent import ballast as ballast_module
+from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
 from nodeagent.isolation.slot import AppliedSlot
@@ -208,3 +210,28 @@ def test_the_database_and_its_wal_are_the_agents_alone_whatever_the_umask(tmp_pa
     made = sorted(p.name for p in tmp_path.iterdir())
     assert "state.db-wal" in made or "state.db" in made
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == dict.fromkeys(made, 0o600)
+
+
+def test_the_ballast_is_given_up_before_a_write_on_a_full_disk_and_made_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    free = {"bytes": 1 << 30}
+    monkeypatch.setattr(ballast_module, "_free", lambda directory: free["bytes"])
+    ballast = Ballast(tmp_path)
+    s = StateStore(tmp_path / "state.db", reserve=16 << 20, ballast=ballast)
+    try:
+        assert ballast.held()
+        assert stat.S_IMODE(ballast.path.stat().st_mode) == 0o600
+        assert ballast.path.stat().st_blocks * 512 >= ballast.size  # allocated, not sparse
+        free["bytes"] = 4096  # something else filled the file system
+        with s.transaction():
+            s.add_event("test", "written with the ballast's room")
+        assert not ballast.held()
+        free["bytes"] = 20 << 20  # space again, but less than the reserve and the ballast
+        s.check_space()
+        assert not ballast.held()
+        free["bytes"] = 1 << 30
+        s.check_space()
+        assert ballast.held()
+    finally:
+        s.close()

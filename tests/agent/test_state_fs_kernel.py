@@ -17,6 +17,7 @@ from nodeagent.agent.config import AgentConfig, StateConfig
 from nodeagent.agent.daemon import build_manager
 from nodeagent.agent.manager import SlotManager
 from nodeagent.devices.discovery import discover
+from nodeagent.errors import NotFound
 from nodeagent.schema.request import parse_slot_request
 from tests.escape.harness import config_for, tear_down, wait_until
 
@@ -70,7 +71,10 @@ def test_a_flooding_slot_keeps_to_the_reserve_and_release_and_restart_work(small
 
         def done() -> bool:
             manager.tick()
-            return any(line.endswith("FLOOD-DONE") for line in manager.logs(flooder.id, 3))
+            try:
+                return any(line.endswith("FLOOD-DONE") for line in manager.logs(flooder.id, 3))
+            except NotFound:
+                return False  # nothing written yet
 
         wait_until("the flood to be written", done, 120)
         # The log gave up its own rotations rather than take the agent's reserve.
@@ -90,3 +94,48 @@ def test_a_flooding_slot_keeps_to_the_reserve_and_release_and_restart_work(small
         assert again.list_slots() == []
     finally:
         again.close()
+
+
+def test_with_the_disk_filled_from_outside_the_slots_a_restart_and_a_release_still_work(
+    small_state: AgentConfig,
+) -> None:
+    """Something outside every slot (here: root) fills the state file system to its last block; the
+    agent's ballast is the room its restart (SQLite recreates its WAL) and a release need."""
+    cfg = small_state
+    manager = started(cfg)
+    ballast = cfg.state_dir / "ballast"
+    try:
+        assert ballast.exists()
+        held = manager.allocate(
+            parse_slot_request(
+                {
+                    "name": "held",
+                    "qos": "burstable",
+                    "resources": {"cpus": 0.1, "memory": "32Mi"},
+                    "worker": {"command": ["/bin/sleep", "300"], "stop_grace_seconds": 1},
+                }
+            )
+        ).slot
+    finally:
+        manager.close()
+    filler = cfg.state_dir.parent / "filler"
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=1M", "count=64"], capture_output=True, check=False
+    )
+    try:
+        assert free(cfg.state_dir) < 1 << 20
+        manager = started(cfg)  # opens the database in the ballast's room
+        try:
+            assert not ballast.exists()
+            assert [d for d in manager.node().degraded if "reserve" in d]
+            manager.release(held.id)
+            assert manager.list_slots() == []
+        finally:
+            manager.close()
+    finally:
+        filler.unlink()
+    manager = started(cfg)
+    try:
+        assert ballast.exists()  # made again once there is room
+    finally:
+        manager.close()
