@@ -68,6 +68,8 @@ SECCOMP_MODE_FILTER = 2
 CLONE_NAMESPACE_FLAGS = 0x7E020000
 #: personality(2) values moby allows: PER_LINUX, PER_LINUX32, UNAME26, both, and the query.
 SAFE_PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+#: socket(2)'s address family for virtio/VMCI sockets (include/linux/socket.h).
+AF_VSOCK = 40
 
 _LEAF_SIZE = 4
 
@@ -82,9 +84,17 @@ class Profile:
     deny_flags: dict[str, int] = field(default_factory=dict)
     #: syscall -> the only arg 0 values allowed (personality).
     allow_values: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: syscall -> arg 0 values denied, every other allowed (socket families).
+    deny_values: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def restricted(self) -> frozenset[str]:
-        return self.deny | self.enosys | frozenset(self.deny_flags) | frozenset(self.allow_values)
+        return (
+            self.deny
+            | self.enosys
+            | frozenset(self.deny_flags)
+            | frozenset(self.allow_values)
+            | frozenset(self.deny_values)
+        )
 
     def without(self, names: Iterable[str]) -> Profile:
         """This profile with the named calls opted out of (allowed whatever their arguments)."""
@@ -94,6 +104,7 @@ class Profile:
             enosys=self.enosys - drop,
             deny_flags={k: v for k, v in self.deny_flags.items() if k not in drop},
             allow_values={k: v for k, v in self.allow_values.items() if k not in drop},
+            deny_values={k: v for k, v in self.deny_values.items() if k not in drop},
         )
 
 
@@ -171,6 +182,9 @@ DEFAULT_PROFILE = Profile(
     enosys=frozenset({"clone3"}),
     deny_flags={"clone": CLONE_NAMESPACE_FLAGS},
     allow_values={"personality": SAFE_PERSONALITIES},
+    # AF_VSOCK talks to the hypervisor and other VMs of the host, past every network rule of the
+    # slot (moby's profile denies it the same way).
+    deny_values={"socket": (AF_VSOCK,)},
 )
 
 #: Profiles by name; ``unconfined`` installs no filter (an opt-out the configuration must allow).
@@ -226,6 +240,11 @@ def _action(name: str, profile: Profile) -> list[bytes]:
         out = [_stmt(BPF_LD_W_ABS, OFFSET_ARGS)]
         out += [_jump(BPF_JMP_JEQ_K, value, len(values) - index, 0) for index, value in enumerate(values)]
         return [*out, _ret(SECCOMP_RET_ERRNO | errno.EPERM), _ret(SECCOMP_RET_ALLOW)]
+    if name in profile.deny_values:
+        values = profile.deny_values[name]
+        out = [_stmt(BPF_LD_W_ABS, OFFSET_ARGS)]
+        out += [_jump(BPF_JMP_JEQ_K, value, len(values) - index, 0) for index, value in enumerate(values)]
+        return [*out, _ret(SECCOMP_RET_ALLOW), _ret(SECCOMP_RET_ERRNO | errno.EPERM)]
     return [_ret(SECCOMP_RET_ERRNO | errno.EPERM)]
 
 

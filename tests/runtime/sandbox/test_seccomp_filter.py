@@ -95,6 +95,20 @@ def test_personality_allows_only_the_safe_values(arch, persona, expected):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        pytest.param(40, EPERM, id="vsock"),
+        pytest.param(2, SECCOMP_RET_ALLOW, id="inet"),
+        pytest.param(1, SECCOMP_RET_ALLOW, id="unix"),
+        pytest.param(10, SECCOMP_RET_ALLOW, id="inet6"),
+    ],
+)
+def test_socket_is_refused_only_for_vsock(arch, family, expected):
+    assert verdict(arch, "socket", family) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHES)
 def test_another_abi_is_killed(arch):
     other = next(audit for name, (audit, _) in ARCHITECTURES.items() if name != arch)
     assert run(build_filter(DEFAULT_PROFILE, arch), seccomp_data(0, other)) == SECCOMP_RET_KILL_PROCESS

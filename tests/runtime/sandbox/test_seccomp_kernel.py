@@ -36,6 +36,15 @@ def _syscall(name: str, *args: int) -> int:
     return 0
 
 
+def _socket(family: int) -> int:
+    """errno of socket(family, SOCK_STREAM) (0: it was made, and is closed again)."""
+    try:
+        socket.socket(family, socket.SOCK_STREAM).close()
+    except OSError as err:
+        return err.errno or -1
+    return 0
+
+
 def _attempts() -> dict[str, int]:
     """errno of each attempt (0: it worked), in a throwaway child that already has a private mount
     namespace, so a mount that gets through never reaches the host."""
@@ -52,6 +61,8 @@ def _attempts() -> dict[str, int]:
             "process_vm_readv": _syscall("process_vm_readv", target, 0, 0, 0, 0, 0),
             "clone3": _syscall("clone3", 0, 0),
             "keyctl": _syscall("keyctl", 0, 0),
+            "vsock": _socket(seccomp.AF_VSOCK),
+            "inet": _socket(socket.AF_INET),
         }
     finally:
         os.kill(target, signal.SIGKILL)
@@ -85,6 +96,8 @@ def test_filter_denies_namespace_mount_and_ptrace_calls():
         "process_vm_readv": errno.EPERM,
         "clone3": errno.ENOSYS,
         "keyctl": errno.EPERM,
+        "vsock": errno.EPERM,
+        "inet": 0,
     }
 
 
@@ -101,6 +114,9 @@ def test_control_without_filter_the_same_calls_reach_the_kernel():
     assert seen["process_vm_readv"] == 0
     assert seen["clone3"] not in (0, errno.ENOSYS, errno.EPERM)
     assert seen["keyctl"] not in (0, errno.EPERM)
+    # Made, or refused by the kernel itself where no vsock transport is loaded.
+    assert seen["vsock"] in (0, errno.EAFNOSUPPORT)
+    assert seen["inet"] == 0
 
 
 def test_opt_out_lets_the_named_call_through_and_nothing_else():
