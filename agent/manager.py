@@ -702,7 +702,12 @@ class SlotManager:
         sandbox = None
         if self._sandbox is not None and self._sandbox.active:
             # The slot's own uid, kept in the database while the slot exists (freed with its row).
-            uid = self._store.sandbox_uid(slot.id, *self._sandbox.config.uid_bounds(), taken_by_host)
+            uid = self._store.sandbox_uid(
+                slot.id,
+                *self._sandbox.config.uid_bounds(),
+                taken_by_host,
+                self._sandbox.config.uid_quarantine_seconds,
+            )
             isolated = isolation_spec(slot, self._topology)
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)

@@ -26,6 +26,9 @@ class SandboxConfig:
     enabled: bool = True
     #: uids (and gids of the same numbers) the agent gives slots, one each: "FIRST-LAST".
     uid_range: str = DEFAULT_UID_RANGE
+    #: How long a released slot's uid rests before another slot gets it (what it left in a
+    #: world-writable place is not handed over at once).
+    uid_quarantine_seconds: float = 3600.0
     #: Whether a request may run its worker as root (worker.user 0 or "root").
     allow_root: bool = False
     #: Whether a request may name a host user or groups (worker.user, group, supplementary_groups).
@@ -86,6 +89,11 @@ class SandboxConfig:
                     f"sandbox.allowed_capabilities: {bare} undoes the slot as a boundary and is never "
                     f"given to a worker (never: {', '.join(NEVER_FOR_ROOT)})"
                 )
+        if not 0 <= self.uid_quarantine_seconds <= 31_536_000:
+            raise ConfigError(
+                f"sandbox.uid_quarantine_seconds is {self.uid_quarantine_seconds!r}; expected 0 (no rest) "
+                "to 31536000 (a year)"
+            )
         for key in ("tmp_size", "shm_size", "home_size"):
             try:
                 size = parse_quantity(getattr(self, key))

@@ -112,6 +112,15 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (slot_id, name)
     );
     """,
+    # When each uid a released slot held was freed ([sandbox] uid_quarantine_seconds): what a
+    # slot's uid left where the next owner of that uid could reach it (a world-writable directory
+    # the sandbox does not cover) is not handed to another slot at once.
+    """
+    CREATE TABLE released_uids (
+        uid          INTEGER PRIMARY KEY,
+        released_at  REAL NOT NULL
+    );
+    """,
 )
 
 #: Bytes the WAL is truncated to after a checkpoint.
@@ -439,7 +448,13 @@ class StateStore:
         self.manifests.write(record)
 
     def delete_slot(self, slot_id: str) -> None:
-        self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
+        with self.transaction():
+            self._write(
+                "INSERT OR REPLACE INTO released_uids (uid, released_at) "
+                "SELECT uid, ? FROM sandbox_ids WHERE slot_id = ?",
+                (self._clock(), slot_id),
+            )
+            self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
         if self.manifests is not None:
             self.manifests.remove(slot_id)
 
@@ -494,10 +509,18 @@ class StateStore:
 
     # --- sandbox uids ---------------------------------------------------------------------------
 
-    def sandbox_uid(self, slot_id: str, first: int, last: int, taken: Callable[[int], bool]) -> int:
+    def sandbox_uid(
+        self,
+        slot_id: str,
+        first: int,
+        last: int,
+        taken: Callable[[int], bool],
+        quarantine_seconds: float = 0.0,
+    ) -> int:
         """The slot's own uid: the one it has, else the lowest of ``first``..``last`` that no other
-        slot holds and ``taken`` (the host's own users) does not refuse, recorded now. A slot keeps
-        it until its row is deleted. StateError when the range is used up."""
+        slot holds, no slot released within ``quarantine_seconds`` held, and ``taken`` (the host's
+        own users) does not refuse, recorded now. A slot keeps it until its row is deleted.
+        StateError when the range is used up."""
         with self.transaction():
             rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
             if rows:
@@ -506,11 +529,22 @@ class StateStore:
                 int(r[0])
                 for r in self._read("SELECT uid FROM sandbox_ids WHERE uid BETWEEN ? AND ?", (first, last))
             }
-            uid = next((u for u in range(first, last + 1) if u not in held and not taken(u)), None)
+            resting = {
+                int(r[0])
+                for r in self._read(
+                    "SELECT uid FROM released_uids WHERE released_at > ? AND uid BETWEEN ? AND ?",
+                    (self._clock() - quarantine_seconds, first, last),
+                )
+            }
+            uid = next(
+                (u for u in range(first, last + 1) if u not in held and u not in resting and not taken(u)),
+                None,
+            )
             if uid is None:
                 raise StateError(
-                    f"no free uid left in [sandbox] uid_range {first}-{last} ({len(held)} slots hold one); "
-                    "widen the range"
+                    f"no free uid left in [sandbox] uid_range {first}-{last} ({len(held)} slots hold one, "
+                    f"{len(resting)} rest after their slot's release for [sandbox] uid_quarantine_seconds); "
+                    "widen the range or shorten the quarantine"
                 )
             self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
             return uid

@@ -187,6 +187,36 @@ def test_each_slot_keeps_its_own_sandbox_uid_until_its_row_goes(store: StateStor
     assert store.sandbox_uid("s3", 700000, 700010, host_users.__contains__) == first
 
 
+def test_a_released_uid_rests_for_its_quarantine_before_another_slot_gets_it(tmp_path: Path) -> None:
+    now = [1000.0]
+    quarantined = StateStore(tmp_path / "q.db", clock=lambda: now[0])
+    try:
+        for slot_id, name in (("s1", "a"), ("s2", "b"), ("s3", "c")):
+            quarantined.insert_slot(slot(slot_id, name))
+        first = quarantined.sandbox_uid("s1", 700000, 700010, lambda uid: False, 600)
+        assert first == 700000
+        quarantined.delete_slot("s1")
+        now[0] += 599
+        assert quarantined.sandbox_uid("s2", 700000, 700010, lambda uid: False, 600) == 700001  # rests
+        now[0] += 2
+        assert quarantined.sandbox_uid("s3", 700000, 700010, lambda uid: False, 600) == first  # rested
+    finally:
+        quarantined.close()
+
+
+def test_a_range_held_or_resting_says_so(tmp_path: Path) -> None:
+    quarantined = StateStore(tmp_path / "q.db", clock=lambda: 1000.0)
+    try:
+        quarantined.insert_slot(slot("s1", "a"))
+        quarantined.sandbox_uid("s1", 700000, 700000, lambda uid: False, 600)
+        quarantined.delete_slot("s1")
+        quarantined.insert_slot(slot("s2", "b"))
+        with pytest.raises(StateError, match=r"1 rest after their slot's release.*shorten the quarantine"):
+            quarantined.sandbox_uid("s2", 700000, 700000, lambda uid: False, 600)
+    finally:
+        quarantined.close()
+
+
 def test_a_used_up_uid_range_is_refused_with_what_to_do(store: StateStore) -> None:
     store.insert_slot(slot("s1", "a"))
     store.insert_slot(slot("s2", "b"))
