@@ -7,9 +7,13 @@ agent/manager.py's docstring and docs/recovery.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +24,7 @@ from nodeagent.agent.state import ports_from_record, slot_from_record, worker_fr
 from nodeagent.agent.translate import slot_from_kernel
 from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, WorkerError
 from nodeagent.isolation.backend import OwnedSlot
+from nodeagent.kernelfs import Procfs
 from nodeagent.placement import Allocated
 from nodeagent.runtime.workers import Readoption
 
@@ -146,9 +151,55 @@ def _rebuild(manager: SlotManager, owned: OwnedSlot, report: ReconcileReport) ->
             except (Conflict, KeyError, TypeError, ValueError) as err:
                 # Its worker gets new ports at its next start; said, not fatal.
                 how += f"; its ports could not be restored ({err})"
+        how += _restore_uid(manager, slot.id, owned, manifest)
         manager._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
     report.recovered.append(slot.name)
     log.warning("slot recovered", extra={"slot": slot.id, "how": how})
+
+
+def _restore_uid(
+    manager: SlotManager, slot_id: str, owned: OwnedSlot, manifest: Mapping[str, Any] | None
+) -> str:
+    """Give a rebuilt slot back the uid its worker runs as: the kernel's word (the uid of the
+    processes in its cgroup) first, its manifest's second. A worker whose uid cannot be restored
+    (another slot holds it, or it lies outside [sandbox] uid_range) is ended, so that the slot's
+    next worker starts under a uid of its own instead of sharing one with another slot. Returns
+    what to add to the recovery's event."""
+    sandbox = manager._sandbox
+    if sandbox is None or not sandbox.active:
+        return ""
+    first, last = sandbox.config.uid_bounds()
+    running = {uid for pid in owned.pids if (uid := process_uid(pid)) is not None}
+    recorded = manifest.get("sandbox_uid") if manifest is not None else None
+    candidates = sorted(running) or ([recorded] if isinstance(recorded, int) else [])
+    if not candidates:
+        return ""
+    uid = candidates[0]
+    problem = None
+    if len(candidates) > 1:
+        problem = f"its processes run as several uids ({', '.join(map(str, candidates))})"
+    elif not first <= uid <= last:
+        problem = f"uid {uid} lies outside [sandbox] uid_range {first}-{last}"
+    else:
+        try:
+            manager._store.restore_sandbox_uid(slot_id, uid)
+        except Conflict as err:
+            problem = str(err)
+    if problem is None:
+        return f"; its workers keep uid {uid}"
+    for pid in owned.pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return f"; its uid could not be restored ({problem}): its worker was ended and starts anew"
+
+
+def process_uid(pid: int, proc: Procfs | None = None) -> int | None:
+    """The real uid of a running process (None once it is gone)."""
+    status = (proc or Procfs()).read_text(f"{pid}/status")
+    for line in (status or "").splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
 
 
 def _build_ledger(manager: SlotManager, report: ReconcileReport) -> Allocated:

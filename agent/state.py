@@ -443,6 +443,8 @@ class StateStore:
         record = slot_record(slot)
         worker = worker or self.get_worker(slot.id)
         record["worker"] = None if worker is None else worker_record(worker)
+        # The uid its workers run as: a worker re-adopted after the database was lost keeps it.
+        record["sandbox_uid"] = self.get_sandbox_uid(slot.id)
         # A worker re-adopted after the database was lost still listens where it was told.
         record["ports"] = [dataclasses.asdict(p) for p in self.slot_ports(slot.id)]
         self.manifests.write(record)
@@ -547,7 +549,24 @@ class StateStore:
                     "widen the range or shorten the quarantine"
                 )
             self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
+            self._keep_uid_in_manifest(slot_id)
             return uid
+
+    def restore_sandbox_uid(self, slot_id: str, uid: int) -> None:
+        """Give a rebuilt slot back the uid its worker runs as (start-up after a lost database);
+        Conflict when another slot holds it."""
+        with self.transaction():
+            rows = self._read("SELECT slot_id FROM sandbox_ids WHERE uid = ?", (uid,))
+            if rows and str(rows[0][0]) != slot_id:
+                raise Conflict(f"uid {uid} is held by slot {rows[0][0]}")
+            self._write("INSERT OR REPLACE INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
+            self._write("DELETE FROM released_uids WHERE uid = ?", (uid,))
+            self._keep_uid_in_manifest(slot_id)
+
+    def _keep_uid_in_manifest(self, slot_id: str) -> None:
+        slot = self.get_slot(slot_id)
+        if slot is not None:
+            self._keep_manifest(slot)
 
     def get_sandbox_uid(self, slot_id: str) -> int | None:
         rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))

@@ -18,7 +18,7 @@ from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from tests.daemon import HOST_OFF, DaemonProcess, free_port, nodeagent_argv
+from tests.daemon import HOST_OFF, DaemonProcess, free_port, nodeagent_argv, wait_until
 
 pytestmark = [pytest.mark.root]
 
@@ -100,9 +100,19 @@ def test_an_empty_token_file_is_replaced_whole(daemon: DaemonProcess) -> None:
 
 def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(daemon: DaemonProcess) -> None:
     client = daemon.start()
+    # A slot before it takes the range's first uid, and is gone: "web" runs as the second.
+    early = {
+        "name": "early",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": WORKER,
+    }
+    assert client.post("/v1/slots", json=early).status_code == 201
+    wait_until("the early worker", lambda: client.get("/v1/slots/early").json().get("sandbox"))
     body = {"name": "web", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}, "worker": WORKER}
     assert client.post("/v1/slots", json=body).status_code == 201
-    pid = client.get("/v1/slots/web").json()["worker"]["pid"]
+    assert client.delete("/v1/slots/early").status_code == 204
+    pid = wait_until("web's worker", lambda: (client.get("/v1/slots/web").json()["worker"] or {}).get("pid"))
     client.close()
     daemon.stop()
     for suffix in ("", "-wal", "-shm"):
@@ -118,7 +128,26 @@ def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(dae
     slot = client.get("/v1/slots/web").json()
     assert slot["worker"]["pid"] == pid
     assert alive(pid)
-    assert client.delete("/v1/slots/web").status_code == 204
+    # It keeps the uid its worker runs as: the next slot gets another (one uid per slot).
+    running_uid = int(
+        next(
+            ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("Uid:")
+        ).split()[1]
+    )
+    assert slot["sandbox"]["uid"] == running_uid
+    other = {
+        "name": "other",
+        "qos": "burstable",
+        "resources": {"cpus": 0.1, "memory": "32Mi"},
+        "worker": WORKER,
+    }
+    assert client.post("/v1/slots", json=other).status_code == 201
+    second = wait_until(
+        "the other worker", lambda: client.get("/v1/slots/other").json().get("sandbox") or None
+    )
+    assert second["uid"] != running_uid
+    for name in ("web", "other"):
+        assert client.delete(f"/v1/slots/{name}").status_code == 204
     client.close()
 
 
