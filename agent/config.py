@@ -50,6 +50,9 @@ class ApiConfig:
     listen: str = DEFAULT_LISTEN  #: HOST:PORT of the REST API; an empty string serves only the unix socket
     unix_socket: str = ""  #: also serve on this unix socket path ("" = no socket)
     token_file: str = ""  #: bearer token file; "" = <state dir>/token
+    max_connections: int = 1024  #: open API connections at once, all clients together
+    max_connections_per_peer: int = 128  #: open API connections from one address (unix socket: one uid)
+    header_timeout_s: float = 10.0  #: a connection with no request in progress for this long is closed
 
     @property
     def host(self) -> str:
@@ -372,6 +375,9 @@ def _validate(config: AgentConfig) -> None:
             "a number of seconds from 0 to 31536000",
         ),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
+        ("api.max_connections", config.api.max_connections > 0, "a whole number above 0"),
+        ("api.max_connections_per_peer", config.api.max_connections_per_peer > 0, "a whole number above 0"),
+        ("api.header_timeout_s", 0 < config.api.header_timeout_s <= 3600, "a number of seconds in (0, 3600]"),
         (
             "isolation.host_partitioning",
             config.isolation.host_partitioning in HOST_PARTITIONING_MODES,

@@ -467,6 +467,48 @@ def _terminate_cleanly(received: list[int]) -> Iterator[list[int]]:
             signal.signal(sig, handler)
 
 
+def raise_nofile_limit() -> None:
+    """Raise the soft descriptor limit to the hard one: every API connection, worker pipe and
+    cgroup file is a descriptor, and the usual soft 1024 is a limit for select(), not for us."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
+    """uvicorn's settings, its HTTP protocol behind the API's connection limits (agent/connguard.py)."""
+    import uvicorn  # noqa: PLC0415
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415
+
+    from nodeagent.agent.connguard import Counters, Limits, guarded_protocol  # noqa: PLC0415
+
+    limits = Limits(
+        max_connections=config.api.max_connections,
+        max_connections_per_peer=config.api.max_connections_per_peer,
+        header_timeout=config.api.header_timeout_s,
+    )
+    counters = Counters(
+        rejected=lambda reason: metrics.api_connections_rejected.labels(reason).inc(),
+        accept_error=metrics.api_accept_errors.inc,
+    )
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=guarded_protocol(AutoHTTPProtocol, limits, counters),
+    )
+
+
+def _accept_error_handler(metrics: Metrics) -> Any:
+    from nodeagent.agent.connguard import AcceptErrorHandler, Counters  # noqa: PLC0415
+
+    return AcceptErrorHandler(Counters(accept_error=metrics.api_accept_errors.inc))
+
+
 # =========================================================================== serve
 
 
@@ -485,6 +527,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
 
     setup_logging(config.log.level)
     started = time.monotonic()
+    raise_nofile_limit()
     ensure_state_dir(config.state_dir)
     lock_state_dir(config.state_dir)  # held until the process ends, whatever way it ends
     token = ensure_token(config.token_path)
@@ -516,9 +559,10 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         if reporter is not None:
             reporter.start()
         app = create_app(manager, token=token, metrics=metrics)
-        server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        server = uvicorn.Server(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:
+            asyncio.get_running_loop().set_exception_handler(_accept_error_handler(metrics))
             task = asyncio.create_task(server.serve(sockets=sockets))
             while not server.started and not task.done():
                 await asyncio.sleep(0.01)
