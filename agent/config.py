@@ -53,6 +53,7 @@ class ApiConfig:
     max_connections: int = 1024  #: open API connections at once, all clients together
     max_connections_per_peer: int = 128  #: open API connections from one address (unix socket: one uid)
     header_timeout_s: float = 10.0  #: a connection with no request in progress for this long is closed
+    slots_may_connect: bool = False  #: sandboxed workers may open TCP connections to ``listen``
 
     @property
     def host(self) -> str:

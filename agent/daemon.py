@@ -48,7 +48,7 @@ from nodeagent.agent.systemd import (
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
+from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, NodeAgentError, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
 from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
     from nodeagent.agent.qos import QosLoop
     from nodeagent.agent.reporter import Reporter
+    from nodeagent.isolation.api_guard import ApiGuard
 
 log = logging.getLogger("nodeagent.daemon")
 
@@ -503,6 +504,25 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
     )
 
 
+def _guard_api(config: AgentConfig) -> ApiGuard | None:
+    """Drop sandboxed slots' connections to the TCP API (isolation/api_guard.py) unless
+    ``[api] slots_may_connect``; where nftables is missing the agent runs without it and says so."""
+    from nodeagent.isolation.api_guard import ApiGuard, table_name  # noqa: PLC0415
+    from nodeagent.isolation.firewall import LibNftables  # noqa: PLC0415
+
+    if not config.api.listen or config.api.slots_may_connect or not config.sandbox.enabled:
+        return None
+    guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
+    try:
+        guard.install(config.sandbox.uid_bounds(), config.api.port)
+    except (NodeAgentError, OSError) as err:
+        log.warning(
+            "sandboxed slots can connect to the API: its firewall rule failed", extra={"error": str(err)}
+        )
+        return None
+    return guard
+
+
 def _accept_error_handler(metrics: Metrics) -> Any:
     from nodeagent.agent.connguard import AcceptErrorHandler, Counters  # noqa: PLC0415
 
@@ -533,6 +553,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     token = ensure_token(config.token_path)
     reporter_token = controller_token(config)
     sockets = _listen_sockets(config)
+    api_guard = _guard_api(config)
     try:
         # systemd: where cgroups go, the agent moved into its leaf; workers stopped with the last agent.
         layout = cgroup_layout(config, detect())
@@ -541,6 +562,9 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     except BaseException:
         for sock in sockets:
             sock.close()
+        if api_guard is not None:
+            with contextlib.suppress(NodeAgentError, OSError):
+                api_guard.remove()
         raise
     log.info(
         "reconciled",
@@ -596,6 +620,9 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         if reporter is not None:
             reporter.stop()
         manager.close()
+        if api_guard is not None:
+            with contextlib.suppress(NodeAgentError, OSError):
+                api_guard.remove()
         if config.api.unix_socket:
             with contextlib.suppress(OSError):
                 Path(config.api.unix_socket).unlink()

@@ -5,7 +5,12 @@ kernel isolation and host keeper: the ``listener`` slot's worker binds an abstra
 the test (the host) binds another; the ``prober`` slot's worker tries to connect to both, and to
 an abstract socket of its own. Landlock's scope (runtime/sandbox/landlock.py) refuses the first
 two and allows the last; the same script run by the test outside every slot connects to all
-three, so a refusal means something. Every socket and process is the test's own and ended by it.
+three, so a refusal means something.
+
+A real ``nodeagent serve`` then runs a slot whose worker connects to the agent's TCP API and to a
+host service on another loopback port: the API is out of reach (isolation/api_guard.py) and the
+other port is not; with ``[api] slots_may_connect = true`` both connect, and a clean stop leaves
+no rule behind. Every socket, process and rule is the test's own and removed by it.
 """
 
 from __future__ import annotations
@@ -14,19 +19,23 @@ import json
 import os
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from nodeagent.agent.config import AgentConfig
-from nodeagent.agent.daemon import build_manager
+from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
+from nodeagent.agent.daemon import build_isolation, build_manager
 from nodeagent.agent.manager import SlotManager
+from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.errors import NotFound
+from nodeagent.isolation.api_guard import ApiGuard, table_name
+from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime.sandbox import landlock
 from nodeagent.schema.request import parse_slot_request
-from tests.daemon import wait_until
+from tests.daemon import HOST_OFF, DaemonProcess, wait_until
 from tests.escape.harness import config_for, tear_down
 from tests.workerpy import world_python
 
@@ -125,3 +134,91 @@ def test_another_slots_and_the_hosts_abstract_sockets_are_out_of_reach(
             slots.release(name)
     finally:
         host.close()
+
+
+CONNECTOR = """
+import json, socket, sys
+
+def connect(port):
+    try:
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=1.5):
+            return "connected"
+    except OSError as err:
+        return "timed out" if isinstance(err, TimeoutError) else f"refused: {err.strerror}"
+
+print(json.dumps({name: connect(port) for name, port in zip(("api", "other"), sys.argv[1:])}), flush=True)
+"""
+API_PARENT = f"natest{os.getpid()}a.slice"
+API_TABLE = f"natest{os.getpid()}a"
+
+
+def api_tables() -> list[str]:
+    """Our agent's API guard table, if it is in the kernel."""
+    guard = ApiGuard(LibNftables(), table_name(API_TABLE))
+    return [guard.table] if guard.installed() else []
+
+
+@pytest.fixture
+def api_daemon(tmp_path: Path) -> Iterator[Callable[[bool], DaemonProcess]]:
+    def make(slots_may_connect: bool) -> DaemonProcess:
+        return DaemonProcess(
+            tmp_path / str(slots_may_connect),
+            f'[isolation]\ncgroup_parent = "{API_PARENT}"\nfirewall_table = "{API_TABLE}"\n'
+            f"[api]\nslots_may_connect = {str(slots_may_connect).lower()}\n",
+        )
+
+    made: list[DaemonProcess] = []
+
+    def factory(slots_may_connect: bool) -> DaemonProcess:
+        made.append(make(slots_may_connect))
+        return made[-1]
+
+    yield factory
+    for daemon in made:
+        daemon.stop()
+        daemon.stop_keeper()
+        isolation = {"cgroup_parent": API_PARENT, **HOST_OFF}
+        cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state)
+        backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+        if isinstance(backend, KernelIsolation):
+            backend.isolator.remove_all()
+    ApiGuard(LibNftables(), table_name(API_TABLE)).remove()
+
+
+def connections_from_a_slot(daemon: DaemonProcess, other_port: int) -> dict[str, str]:
+    client = daemon.start()
+    try:
+        api_port = daemon.url.rsplit(":", 1)[1]
+        body = worker("connector", [world_python(), "-c", CONNECTOR, api_port, str(other_port)])
+        assert client.post("/v1/slots", json=body).status_code == 201
+
+        def verdicts() -> dict[str, str] | None:
+            lines = client.get("/v1/slots/connector/logs").json()["lines"]
+            found = [line[line.index("{") :] for line in lines if "{" in line]
+            return json.loads(found[0]) if found else None
+
+        result: dict[str, str] = wait_until("the connector's verdicts", verdicts)
+        assert client.delete("/v1/slots/connector").status_code in (200, 202, 204)
+        return result
+    finally:
+        client.close()
+
+
+def test_a_slot_reaches_the_agents_tcp_api_only_where_configured(
+    api_daemon: Callable[[bool], DaemonProcess],
+) -> None:
+    factory = api_daemon
+    other = socket.create_server(("127.0.0.1", 0))  # a host service: not the API, still reachable
+    try:
+        other_port = other.getsockname()[1]
+        guarded = factory(False)
+        assert connections_from_a_slot(guarded, other_port) == {"api": "timed out", "other": "connected"}
+        assert api_tables(), "the agent's rule is in the kernel while it runs"
+        assert guarded.stop() == 0
+        assert not api_tables(), "a clean stop removes the rule"
+        # Configured open: the same worker connects.
+        opened = factory(True)
+        assert connections_from_a_slot(opened, other_port) == {"api": "connected", "other": "connected"}
+        assert not api_tables()
+    finally:
+        other.close()
