@@ -72,6 +72,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nodeagent.daemon")
 
+#: The API sockets' listen backlog.
+ACCEPT_BACKLOG = 128
+
 _STANDARD_RECORD_KEYS = frozenset(vars(logging.makeLogRecord({})))
 
 
@@ -449,7 +452,7 @@ def _listen_sockets(config: AgentConfig) -> list[socket.socket]:
             os.umask(old)
         sockets.append(unix)
     for sock in sockets:
-        sock.listen(128)
+        sock.listen(ACCEPT_BACKLOG)
         sock.set_inheritable(False)
     return sockets
 
@@ -481,13 +484,30 @@ def raise_nofile_limit() -> None:
 
 def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
     """uvicorn's settings, its HTTP protocol behind the API's connection limits (agent/connguard.py)."""
+    import resource  # noqa: PLC0415
+
     import uvicorn  # noqa: PLC0415
     from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415
 
     from nodeagent.agent.connguard import Counters, Limits, guarded_protocol  # noqa: PLC0415
 
+    # Every connection is a descriptor from accept() on, and asyncio accepts up to ``backlog``
+    # connections in one go before the limit can cut any: open connections may use at most half
+    # of what is left after the agent's own descriptors and one such burst, the other half stays
+    # for the agent's growth (workers' pipes, cgroup files). Past the descriptor limit accept()
+    # fails with EMFILE for everyone, the agent's own health checks included.
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    total = config.api.max_connections
+    if nofile != resource.RLIM_INFINITY:
+        room = max((nofile - len(os.listdir("/proc/self/fd")) - ACCEPT_BACKLOG) // 2, 1)
+        if total > room:
+            total = room
+            log.warning(
+                "[api] max_connections lowered to fit the descriptor limit",
+                extra={"configured": config.api.max_connections, "used": total, "nofile": nofile},
+            )
     limits = Limits(
-        max_connections=config.api.max_connections,
+        max_connections=total,
         max_connections_per_peer=config.api.max_connections_per_peer,
         header_timeout=config.api.header_timeout_s,
     )
@@ -501,6 +521,7 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
         access_log=False,
         lifespan="off",
         http=guarded_protocol(AutoHTTPProtocol, limits, counters),
+        backlog=ACCEPT_BACKLOG,  # also the most connections asyncio accepts in one go
     )
 
 

@@ -104,3 +104,57 @@ def test_accept_errors_are_counted_and_logged_at_a_bounded_rate(caplog: pytest.L
         loop.close()
     assert len(counted) == 1000
     assert len([r for r in caplog.records if r.name == "nodeagent.agent.connguard"]) == 1
+
+
+class LowDescriptorDaemon(DaemonProcess):
+    """An agent whose descriptor limit (soft and hard) is ``NOFILE``: a flood could exhaust it."""
+
+    def argv(self, *extra: str, url: str | None = None) -> list[str]:
+        return ["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--", *super().argv(*extra, url=url)]
+
+
+NOFILE = 512
+
+
+@pytest.mark.root
+def test_a_flood_past_the_descriptor_limit_leaves_the_api_answering(tmp_path: Path) -> None:
+    """With the default limits (1024 connections, 128 per peer) above what 512 descriptors allow,
+    the agent lowers the total to fit them: a flood from many peers is cut there and
+    never makes accept fail for want of descriptors; once the idle ones are cut (header timeout),
+    /healthz is answered again."""
+    daemon = DaemonProcess.__new__(LowDescriptorDaemon)
+    config = f'[isolation]\ncgroup_parent = "{PARENT}"\n[api]\nheader_timeout_s = 1\n'
+    DaemonProcess.__init__(daemon, tmp_path, config)
+    flood: list[socket.socket] = []
+    try:
+        client = daemon.start()
+        host, port = daemon.url.removeprefix("http://").split(":")
+        for number in range(2 * NOFILE):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            flood.append(sock)
+            sock.bind((f"127.0.1.{number % 200 + 1}", 0))  # 200 peers: the per-peer limit never bites
+            sock.connect((host, int(port)))
+
+        def answered() -> bool:
+            try:
+                return client.get("/healthz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("/healthz answered again", answered)
+        metrics = client.get("/metrics").text
+        assert 'nodeagent_api_connections_rejected_total{reason="total"}' in metrics
+        api_lines = [line for line in metrics.splitlines() if line.startswith("nodeagent_api_acc")]
+        assert "nodeagent_api_accept_errors_total 0.0" in api_lines, api_lines  # never out of descriptors
+        assert "max_connections lowered to fit the descriptor limit" in daemon.log_tail(100_000)
+        client.close()
+    finally:
+        for sock in flood:
+            sock.close()
+        daemon.stop()
+        daemon.stop_keeper()
+        isolation = {"cgroup_parent": PARENT, **HOST_OFF}
+        cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state)
+        backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
+        if isinstance(backend, KernelIsolation):
+            backend.isolator.remove_all()
