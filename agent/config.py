@@ -97,6 +97,10 @@ class IsolationConfig:
     #: Where that firewall cannot run (no nftables), give slots a network anyway, unfiltered.
     allow_unfiltered_network: bool = False
     pids_max: int = 4096  #: per-slot pids limit
+    #: sandboxed slots without a network may not open connections to any local address (the
+    #: host's loopback and addresses, other slots' ports) except ``local_open_ports``
+    local_default_deny: bool = False
+    local_open_ports: tuple[str, ...] = ()  #: "PORT/tcp" or "PORT/udp" that local_default_deny leaves open
     #: keep every task the agent does not own, kernel threads and interrupts off exclusive CPUs:
     #: "auto" (when the agent runs as root and isolates slots) or "off"
     host_partitioning: str = "auto"
@@ -441,6 +445,13 @@ def _validate(config: AgentConfig) -> None:
     except (InvalidRequest, ValueError) as err:
         raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
     _check_network(config)
+    for entry in config.isolation.local_open_ports:
+        number, _, protocol = entry.partition("/")
+        if not (number.isdigit() and 1 <= int(number) <= 65535 and protocol in ("tcp", "udp")):
+            raise ConfigError(
+                f"{_where(src, 'isolation.local_open_ports')} has {entry!r}; expected PORT/tcp or PORT/udp "
+                'with PORT in 1-65535, such as "53/udp"'
+            )
     try:
         validate_parts(config.isolation.host_partitioning_parts)
     except ConfigError as err:

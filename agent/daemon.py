@@ -526,19 +526,33 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
 
 
 def _guard_api(config: AgentConfig) -> ApiGuard | None:
-    """Drop sandboxed slots' connections to the TCP API (isolation/api_guard.py) unless
-    ``[api] slots_may_connect``; where nftables is missing the agent runs without it and says so."""
+    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and off every local
+    address with ``[isolation] local_default_deny`` (isolation/api_guard.py); where nftables is
+    missing the agent runs without the rules and says so."""
     from nodeagent.isolation.api_guard import ApiGuard, table_name  # noqa: PLC0415
     from nodeagent.isolation.firewall import LibNftables  # noqa: PLC0415
 
-    if not config.api.listen or config.api.slots_may_connect or not config.sandbox.enabled:
+    api_port = config.api.port if config.api.listen else None
+    local_deny = config.isolation.local_default_deny
+    if not config.sandbox.enabled or (not local_deny and (api_port is None or config.api.slots_may_connect)):
         return None
+    open_ports = tuple(
+        (protocol, int(number))
+        for number, _, protocol in (entry.partition("/") for entry in config.isolation.local_open_ports)
+    )
     guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
     try:
-        guard.install(config.sandbox.uid_bounds(), config.api.port)
+        guard.install(
+            config.sandbox.uid_bounds(),
+            api_port=api_port,
+            api_open=config.api.slots_may_connect,
+            local_deny=local_deny,
+            open_ports=open_ports,
+        )
     except (NodeAgentError, OSError) as err:
         log.warning(
-            "sandboxed slots can connect to the API: its firewall rule failed", extra={"error": str(err)}
+            "sandboxed slots can connect to the API and local services: the firewall rules failed",
+            extra={"error": str(err)},
         )
         return None
     return guard

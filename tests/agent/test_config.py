@@ -110,6 +110,11 @@ def test_placement_defaults_match_placement_options() -> None:
         pytest.param("[api]\nlisten = 7070\n", "api.listen", id="wrong-type"),
         pytest.param("[api]\nmax_connections = 0\n", "api.max_connections", id="no-connections"),
         pytest.param(
+            "[isolation]\nlocal_open_ports = ['53/icmp']\n",
+            "isolation.local_open_ports",
+            id="open-port-protocol",
+        ),
+        pytest.param(
             "[api]\nmax_connections_per_peer = -1\n", "api.max_connections_per_peer", id="peer-limit"
         ),
         pytest.param("[api]\nheader_timeout_s = 0\n", "api.header_timeout_s", id="header-timeout"),

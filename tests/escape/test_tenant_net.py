@@ -146,7 +146,8 @@ def connect(port):
     except OSError as err:
         return "timed out" if isinstance(err, TimeoutError) else f"refused: {err.strerror}"
 
-print(json.dumps({name: connect(port) for name, port in zip(("api", "other"), sys.argv[1:])}), flush=True)
+names = ("api", "other", "opened")
+print(json.dumps({name: connect(port) for name, port in zip(names, sys.argv[1:])}), flush=True)
 """
 API_PARENT = f"natest{os.getpid()}a.slice"
 API_TABLE = f"natest{os.getpid()}a"
@@ -159,18 +160,17 @@ def api_tables() -> list[str]:
 
 
 @pytest.fixture
-def api_daemon(tmp_path: Path) -> Iterator[Callable[[bool], DaemonProcess]]:
-    def make(slots_may_connect: bool) -> DaemonProcess:
-        return DaemonProcess(
-            tmp_path / str(slots_may_connect),
-            f'[isolation]\ncgroup_parent = "{API_PARENT}"\nfirewall_table = "{API_TABLE}"\n'
-            f"[api]\nslots_may_connect = {str(slots_may_connect).lower()}\n",
-        )
-
+def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
+    """Agents with the test's own cgroup parent and firewall table, and ``extra`` configuration."""
     made: list[DaemonProcess] = []
 
-    def factory(slots_may_connect: bool) -> DaemonProcess:
-        made.append(make(slots_may_connect))
+    def factory(extra: str) -> DaemonProcess:
+        made.append(
+            DaemonProcess(
+                tmp_path / str(len(made)),
+                f'[isolation]\ncgroup_parent = "{API_PARENT}"\nfirewall_table = "{API_TABLE}"\n{extra}',
+            )
+        )
         return made[-1]
 
     yield factory
@@ -185,11 +185,11 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[bool], DaemonProcess]]:
     ApiGuard(LibNftables(), table_name(API_TABLE)).remove()
 
 
-def connections_from_a_slot(daemon: DaemonProcess, other_port: int) -> dict[str, str]:
+def connections_from_a_slot(daemon: DaemonProcess, *ports: int) -> dict[str, str]:
     client = daemon.start()
     try:
         api_port = daemon.url.rsplit(":", 1)[1]
-        body = worker("connector", [world_python(), "-c", CONNECTOR, api_port, str(other_port)])
+        body = worker("connector", [world_python(), "-c", CONNECTOR, api_port, *map(str, ports)])
         assert client.post("/v1/slots", json=body).status_code == 201
 
         def verdicts() -> dict[str, str] | None:
@@ -205,20 +205,43 @@ def connections_from_a_slot(daemon: DaemonProcess, other_port: int) -> dict[str,
 
 
 def test_a_slot_reaches_the_agents_tcp_api_only_where_configured(
-    api_daemon: Callable[[bool], DaemonProcess],
+    api_daemon: Callable[[str], DaemonProcess],
 ) -> None:
-    factory = api_daemon
-    other = socket.create_server(("127.0.0.1", 0))  # a host service: not the API, still reachable
+    other = socket.create_server(("127.0.0.1", 0))  # a host service: not the API
     try:
         other_port = other.getsockname()[1]
-        guarded = factory(False)
+        guarded = api_daemon("")
         assert connections_from_a_slot(guarded, other_port) == {"api": "timed out", "other": "connected"}
         assert api_tables(), "the agent's rule is in the kernel while it runs"
         assert guarded.stop() == 0
         assert not api_tables(), "a clean stop removes the rule"
         # Configured open: the same worker connects.
-        opened = factory(True)
+        opened = api_daemon("[api]\nslots_may_connect = true\n")
         assert connections_from_a_slot(opened, other_port) == {"api": "connected", "other": "connected"}
         assert not api_tables()
     finally:
         other.close()
+
+
+def test_local_default_deny_keeps_a_slot_off_host_services_but_what_it_opens(
+    api_daemon: Callable[[str], DaemonProcess],
+) -> None:
+    """With ``[isolation] local_default_deny``, a host service on 127.0.0.1 is out of a slot's
+    reach, one listed in ``local_open_ports`` is not, and the API follows ``slots_may_connect``."""
+    other = socket.create_server(("127.0.0.1", 0))
+    opened = socket.create_server(("127.0.0.1", 0))
+    try:
+        other_port, opened_port = other.getsockname()[1], opened.getsockname()[1]
+        daemon = api_daemon(
+            f'local_default_deny = true\nlocal_open_ports = ["{opened_port}/tcp"]\n'
+            "[api]\nslots_may_connect = true\n"
+        )
+        verdicts = connections_from_a_slot(daemon, other_port, opened_port)
+        assert verdicts == {"api": "connected", "other": "timed out", "opened": "connected"}
+        # The host itself (root) still reaches the service: only the slots' uids are refused.
+        socket.create_connection(("127.0.0.1", other_port), timeout=5).close()
+        assert daemon.stop() == 0
+        assert not api_tables()
+    finally:
+        other.close()
+        opened.close()
