@@ -10,7 +10,9 @@ three, so a refusal means something.
 A real ``nodeagent serve`` then runs a slot whose worker connects to the agent's TCP API and to a
 host service on another loopback port: the API is out of reach (isolation/api_guard.py) and the
 other port is not; with ``[api] slots_may_connect = true`` both connect, and a clean stop leaves
-no rule behind. Every socket, process and rule is the test's own and removed by it.
+no rule behind. With ``[isolation] local_default_deny`` a host service on 127.0.0.1 and another
+slot's port are out of reach while a port in ``local_open_ports`` is not; the host itself still
+reaches both. Every socket, process and rule is the test's own and removed by it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
@@ -36,7 +39,7 @@ from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime.sandbox import landlock
 from nodeagent.schema.request import parse_slot_request
 from tests.daemon import HOST_OFF, DaemonProcess, wait_until
-from tests.escape.harness import config_for, tear_down
+from tests.escape.harness import VICTIM, config_for, free_port, tear_down
 from tests.workerpy import world_python
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -146,7 +149,7 @@ def connect(port):
     except OSError as err:
         return "timed out" if isinstance(err, TimeoutError) else f"refused: {err.strerror}"
 
-names = ("api", "other", "opened")
+names = ("api", "other", "opened", "slot")
 print(json.dumps({name: connect(port) for name, port in zip(names, sys.argv[1:])}), flush=True)
 """
 API_PARENT = f"natest{os.getpid()}a.slice"
@@ -185,8 +188,11 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
     ApiGuard(LibNftables(), table_name(API_TABLE)).remove()
 
 
-def connections_from_a_slot(daemon: DaemonProcess, *ports: int) -> dict[str, str]:
-    client = daemon.start()
+def connections_from_a_slot(
+    daemon: DaemonProcess, *ports: int, client: httpx.Client | None = None
+) -> dict[str, str]:
+    """Run the connector in a slot of ``daemon`` (started here unless ``client`` is given)."""
+    client = client or daemon.start()
     try:
         api_port = daemon.url.rsplit(":", 1)[1]
         body = worker("connector", [world_python(), "-c", CONNECTOR, api_port, *map(str, ports)])
@@ -236,8 +242,23 @@ def test_local_default_deny_keeps_a_slot_off_host_services_but_what_it_opens(
             f'local_default_deny = true\nlocal_open_ports = ["{opened_port}/tcp"]\n'
             "[api]\nslots_may_connect = true\n"
         )
-        verdicts = connections_from_a_slot(daemon, other_port, opened_port)
-        assert verdicts == {"api": "connected", "other": "timed out", "opened": "connected"}
+        # Another slot's worker listening on a port of its own.
+        slot_port = free_port()
+        client = daemon.start()
+        body = worker("victim", [world_python(), "-c", VICTIM, str(slot_port)])
+        assert client.post("/v1/slots", json=body).status_code == 201
+        wait_until(
+            "the victim slot's listener",
+            lambda: "listening" in str(client.get("/v1/slots/victim/logs").json()),
+        )
+        verdicts = connections_from_a_slot(daemon, other_port, opened_port, slot_port, client=client)
+        assert verdicts == {
+            "api": "connected",
+            "other": "timed out",
+            "opened": "connected",
+            "slot": "timed out",
+        }
+        socket.create_connection(("127.0.0.1", slot_port), timeout=5).close()  # from the host: it listens
         # The host itself (root) still reaches the service: only the slots' uids are refused.
         socket.create_connection(("127.0.0.1", other_port), timeout=5).close()
         assert daemon.stop() == 0
