@@ -51,6 +51,10 @@ class ApiConfig:
     listen: str = DEFAULT_LISTEN  #: HOST:PORT of the REST API; an empty string serves only the unix socket
     unix_socket: str = ""  #: also serve on this unix socket path ("" = no socket)
     token_file: str = ""  #: bearer token file; "" = <state dir>/token
+    max_connections: int = 1024  #: open API connections at once, all clients together
+    max_connections_per_peer: int = 128  #: open API connections from one address (unix socket: one uid)
+    header_timeout_s: float = 10.0  #: a connection with no request in progress for this long is closed
+    slots_may_connect: bool = False  #: sandboxed workers may open TCP connections to ``listen``
 
     @property
     def host(self) -> str:
@@ -101,6 +105,10 @@ class IsolationConfig:
     #: Where that firewall cannot run (no nftables), give slots a network anyway, unfiltered.
     allow_unfiltered_network: bool = False
     pids_max: int = 4096  #: per-slot pids limit
+    #: sandboxed slots without a network may not open connections to any local address (the
+    #: host's loopback and addresses, other slots' ports) except ``local_open_ports``
+    local_default_deny: bool = False
+    local_open_ports: tuple[str, ...] = ()  #: "PORT/tcp" or "PORT/udp" that local_default_deny leaves open
     #: keep every task the agent does not own, kernel threads and interrupts off exclusive CPUs:
     #: "auto" (when the agent runs as root and isolates slots) or "off"
     host_partitioning: str = "auto"
@@ -384,6 +392,9 @@ def _validate(config: AgentConfig) -> None:
             "a number of seconds from 0 to 31536000",
         ),
         ("isolation.pids_max", config.isolation.pids_max > 0, "a whole number above 0"),
+        ("api.max_connections", config.api.max_connections > 0, "a whole number above 0"),
+        ("api.max_connections_per_peer", config.api.max_connections_per_peer > 0, "a whole number above 0"),
+        ("api.header_timeout_s", 0 < config.api.header_timeout_s <= 3600, "a number of seconds in (0, 3600]"),
         (
             "isolation.host_partitioning",
             config.isolation.host_partitioning in HOST_PARTITIONING_MODES,
@@ -455,6 +466,13 @@ def _validate(config: AgentConfig) -> None:
     except (InvalidRequest, ValueError) as err:
         raise ConfigError(f"{_where(src, 'placement')}: {err}") from None
     _check_network(config)
+    for entry in config.isolation.local_open_ports:
+        number, _, protocol = entry.partition("/")
+        if not (number.isdigit() and 1 <= int(number) <= 65535 and protocol in ("tcp", "udp")):
+            raise ConfigError(
+                f"{_where(src, 'isolation.local_open_ports')} has {entry!r}; expected PORT/tcp or PORT/udp "
+                'with PORT in 1-65535, such as "53/udp"'
+            )
     try:
         validate_parts(config.isolation.host_partitioning_parts)
     except ConfigError as err:

@@ -49,7 +49,7 @@ from nodeagent.agent.systemd import (
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
-from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, translate_os_error
+from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, NodeAgentError, translate_os_error
 from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIsolation
 from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
@@ -69,8 +69,12 @@ if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
     from nodeagent.agent.qos import QosLoop
     from nodeagent.agent.reporter import Reporter
+    from nodeagent.isolation.api_guard import ApiGuard
 
 log = logging.getLogger("nodeagent.daemon")
+
+#: The API sockets' listen backlog.
+ACCEPT_BACKLOG = 128
 
 _STANDARD_RECORD_KEYS = frozenset(vars(logging.makeLogRecord({})))
 
@@ -455,7 +459,7 @@ def _listen_sockets(config: AgentConfig) -> list[socket.socket]:
             os.umask(old)
         sockets.append(unix)
     for sock in sockets:
-        sock.listen(128)
+        sock.listen(ACCEPT_BACKLOG)
         sock.set_inheritable(False)
     return sockets
 
@@ -472,6 +476,99 @@ def _terminate_cleanly(received: list[int]) -> Iterator[list[int]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def raise_nofile_limit() -> None:
+    """Raise the soft descriptor limit to the hard one: every API connection, worker pipe and
+    cgroup file is a descriptor, and the usual soft 1024 is a limit for select(), not for us."""
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
+    """uvicorn's settings, its HTTP protocol behind the API's connection limits (agent/connguard.py)."""
+    import resource  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415
+
+    from nodeagent.agent.connguard import Counters, Limits, guarded_protocol  # noqa: PLC0415
+
+    # Every connection is a descriptor from accept() on, and asyncio accepts up to ``backlog``
+    # connections in one go before the limit can cut any: open connections may use at most half
+    # of what is left after the agent's own descriptors and one such burst, the other half stays
+    # for the agent's growth (workers' pipes, cgroup files). Past the descriptor limit accept()
+    # fails with EMFILE for everyone, the agent's own health checks included.
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    total = config.api.max_connections
+    if nofile != resource.RLIM_INFINITY:
+        room = max((nofile - len(os.listdir("/proc/self/fd")) - ACCEPT_BACKLOG) // 2, 1)
+        if total > room:
+            total = room
+            log.warning(
+                "[api] max_connections lowered to fit the descriptor limit",
+                extra={"configured": config.api.max_connections, "used": total, "nofile": nofile},
+            )
+    limits = Limits(
+        max_connections=total,
+        max_connections_per_peer=config.api.max_connections_per_peer,
+        header_timeout=config.api.header_timeout_s,
+    )
+    counters = Counters(
+        rejected=lambda reason: metrics.api_connections_rejected.labels(reason).inc(),
+        accept_error=metrics.api_accept_errors.inc,
+    )
+    return uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        http=guarded_protocol(AutoHTTPProtocol, limits, counters),
+        backlog=ACCEPT_BACKLOG,  # also the most connections asyncio accepts in one go
+    )
+
+
+def _guard_api(config: AgentConfig) -> ApiGuard | None:
+    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and off every local
+    address with ``[isolation] local_default_deny`` (isolation/api_guard.py); where nftables is
+    missing the agent runs without the rules and says so."""
+    from nodeagent.isolation.api_guard import ApiGuard, table_name  # noqa: PLC0415
+    from nodeagent.isolation.firewall import LibNftables  # noqa: PLC0415
+
+    api_port = config.api.port if config.api.listen else None
+    local_deny = config.isolation.local_default_deny
+    if not config.sandbox.enabled or (not local_deny and (api_port is None or config.api.slots_may_connect)):
+        return None
+    open_ports = tuple(
+        (protocol, int(number))
+        for number, _, protocol in (entry.partition("/") for entry in config.isolation.local_open_ports)
+    )
+    guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
+    try:
+        guard.install(
+            config.sandbox.uid_bounds(),
+            api_port=api_port,
+            api_open=config.api.slots_may_connect,
+            local_deny=local_deny,
+            open_ports=open_ports,
+        )
+    except (NodeAgentError, OSError) as err:
+        log.warning(
+            "sandboxed slots can connect to the API and local services: the firewall rules failed",
+            extra={"error": str(err)},
+        )
+        return None
+    return guard
+
+
+def _accept_error_handler(metrics: Metrics) -> Any:
+    from nodeagent.agent.connguard import AcceptErrorHandler, Counters  # noqa: PLC0415
+
+    return AcceptErrorHandler(Counters(accept_error=metrics.api_accept_errors.inc))
 
 
 # =========================================================================== serve
@@ -492,11 +589,13 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
 
     setup_logging(config.log.level)
     started = time.monotonic()
+    raise_nofile_limit()
     ensure_state_dir(config.state_dir)
     lock_state_dir(config.state_dir)  # held until the process ends, whatever way it ends
     token = ensure_token(config.token_path)
     reporter_token = controller_token(config)
     sockets = _listen_sockets(config)
+    api_guard = _guard_api(config)
     try:
         # systemd: where cgroups go, the agent moved into its leaf; workers stopped with the last agent.
         layout = cgroup_layout(config, detect())
@@ -505,6 +604,9 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     except BaseException:
         for sock in sockets:
             sock.close()
+        if api_guard is not None:
+            with contextlib.suppress(NodeAgentError, OSError):
+                api_guard.remove()
         raise
     log.info(
         "reconciled",
@@ -523,9 +625,10 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         if reporter is not None:
             reporter.start()
         app = create_app(manager, token=token, metrics=metrics)
-        server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        server = uvicorn.Server(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:
+            asyncio.get_running_loop().set_exception_handler(_accept_error_handler(metrics))
             task = asyncio.create_task(server.serve(sockets=sockets))
             while not server.started and not task.done():
                 await asyncio.sleep(0.01)
@@ -559,6 +662,9 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         if reporter is not None:
             reporter.stop()
         manager.close()
+        if api_guard is not None:
+            with contextlib.suppress(NodeAgentError, OSError):
+                api_guard.remove()
         if config.api.unix_socket:
             with contextlib.suppress(OSError):
                 Path(config.api.unix_socket).unlink()

@@ -22,6 +22,9 @@ Series (all prefixed ``nodeagent_``):
   rest of the host is kept off exclusive CPUs now, what is held confined, what cannot move;
 - ``ready``, ``agent_info{version, node_id, cgroup_mode}``, ``degraded_features``;
 - ``api_request_duration_seconds{method, route, status}`` (route is the path template);
+- ``api_connections_rejected_total{reason}``: API connections the agent cut (``total`` / ``peer``:
+  over ``[api] max_connections`` / ``max_connections_per_peer``; ``idle``: no request within
+  ``[api] header_timeout_s``), and ``api_accept_errors_total`` (``EMFILE`` and the like);
 - ``reporter_failures_total``, ``reporter_last_success_timestamp_seconds``;
 - ``scrape_errors_total{section}``: parts of a scrape that failed and were left out.
 """
@@ -89,6 +92,17 @@ class Metrics:
         self.reporter_last_success = Gauge(
             f"{PREFIX}_reporter_last_success_timestamp_seconds",
             "Unix time of the last report the controller accepted (0: none yet).",
+            registry=self.registry,
+        )
+        self.api_connections_rejected = Counter(
+            f"{PREFIX}_api_connections_rejected",
+            "API connections cut by the connection limits, by reason (total, peer, idle).",
+            ("reason",),
+            registry=self.registry,
+        )
+        self.api_accept_errors = Counter(
+            f"{PREFIX}_api_accept_errors",
+            "Times the API's listening sockets could not accept (out of descriptors, memory).",
             registry=self.registry,
         )
         self.scrape_errors = Counter(

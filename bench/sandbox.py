@@ -46,6 +46,7 @@ from nodeagent.runtime.sandbox import (
     enter_sandbox,
     fork_into_new_pid_namespace,
     init_argv,
+    landlock,
     mounts,
     seal_sandbox,
     seccomp,
@@ -211,6 +212,8 @@ def _steps_in_child(cgroup_namespace: bool) -> dict[str, float]:
     timed("bounding set + ambient", lambda: (caps.drop_bounding_set(0, last), caps.clear_ambient()))
     timed("setuid", lambda: switch_user(CONFINED))
     timed("capset", lambda: caps.set_capabilities(0, ambient=False))
+    timed("no_new_privs", lambda: check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl"))
+    timed("landlock scope", landlock.scope_abstract_unix_sockets)
     program = seccomp.filter_for("default")
     assert program is not None
     timed("seccomp install", lambda: seccomp.install(program))

@@ -3,6 +3,7 @@ a free loopback port, and the caller's configuration (a test cgroup parent, neve
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -14,6 +15,9 @@ from typing import Any
 
 import httpx
 
+from nodeagent.agent.config import load_config
+from nodeagent.isolation.api_guard import ApiGuard, table_name
+from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime import keeper_protocol
 from nodeagent.runtime.keeper_client import stop_keeper
 
@@ -159,8 +163,13 @@ class DaemonProcess:
         return done.stdout
 
     def stop_keeper(self) -> None:
-        """Stop the host keeper the daemon started (workers it leaves are the caller's to end)."""
+        """Stop the host keeper the daemon started (workers it leaves are the caller's to end), and
+        remove the daemon's API firewall rule, which a killed daemon leaves (the next start of an
+        agent would replace it; a test's agent has no next start)."""
         stop_keeper(self.keeper_dir)
+        with contextlib.suppress(Exception):  # no libnftables: the daemon made no rule either
+            config = load_config(self.config)
+            ApiGuard(LibNftables(), table_name(config.isolation.firewall_table)).remove()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: nothing of the daemon's runs afterwards (the keeper does)."""

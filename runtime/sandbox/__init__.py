@@ -26,7 +26,8 @@ before it execs the worker, in two calls around the identity switch:
        11. capset: effective = permitted = inheritable =      after setuid, which recomputes them
            the kept set; ambient raised for a non-root
            worker that keeps any
-       12. no_new_privs, then the seccomp filter            last: the filter would refuse steps
+       12. no_new_privs, the Landlock scope (abstract       landlock.py: only the worker's own
+           unix sockets), then the seccomp filter          abstract sockets; the filter would refuse steps
                                                              1-10 (unshare, mount), and nothing
                                                              after it but exec should run
     exec (through the init when there is a pid namespace: pidns.init_argv)
@@ -47,7 +48,7 @@ import os
 from pathlib import Path
 
 from nodeagent.errors import NodeAgentError
-from nodeagent.runtime.sandbox import caps, mounts, seccomp
+from nodeagent.runtime.sandbox import caps, landlock, mounts, seccomp
 from nodeagent.runtime.sandbox._sys import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
@@ -108,6 +109,7 @@ def warm_up(specs: tuple[SandboxSpec, ...] = ()) -> None:
     """Do, in the long-lived parent (the keeper) before it forks, what every child would otherwise
     redo: read cap_last_cap and assemble the seccomp filters, for ``specs`` and the default."""
     _last_capability()
+    landlock.abi()
     _filter("default", ())
     seccomp.restricted_syscalls("default")
     for spec in specs:
@@ -264,6 +266,11 @@ def seal_sandbox(spec: SandboxSpec) -> None:
     keep = caps.capability_mask(spec.capabilities)
     with step("set capabilities"):
         caps.set_capabilities(keep, ambient=bool(keep) and spec.uid != 0)
+    with step("landlock scope (abstract unix sockets)"):
+        # Landlock needs no_new_privs from a process without CAP_SYS_ADMIN; the seccomp filter
+        # after it would set it anyway, and may not allow the Landlock calls.
+        check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        landlock.scope_abstract_unix_sockets()
     with step(f"seccomp filter {spec.seccomp_profile!r}"):
         program = _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
         if program is None:

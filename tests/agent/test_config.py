@@ -108,6 +108,16 @@ def test_placement_defaults_match_placement_options() -> None:
         pytest.param("[apii]\nlisten='x'\n", "apii", id="unknown-section"),
         pytest.param("[api]\nlisten_on = '1.2.3.4:1'\n", "api.listen_on", id="unknown-key"),
         pytest.param("[api]\nlisten = 7070\n", "api.listen", id="wrong-type"),
+        pytest.param("[api]\nmax_connections = 0\n", "api.max_connections", id="no-connections"),
+        pytest.param(
+            "[isolation]\nlocal_open_ports = ['53/icmp']\n",
+            "isolation.local_open_ports",
+            id="open-port-protocol",
+        ),
+        pytest.param(
+            "[api]\nmax_connections_per_peer = -1\n", "api.max_connections_per_peer", id="peer-limit"
+        ),
+        pytest.param("[api]\nheader_timeout_s = 0\n", "api.header_timeout_s", id="header-timeout"),
         pytest.param("[api]\nlisten = 'localhost'\n", "api.listen", id="listen-without-port"),
         pytest.param("[api]\nlisten = '127.0.0.1:99999'\n", "api.listen", id="port-out-of-range"),
         pytest.param("[state]\ndir = 'relative/dir'\n", "state.dir", id="relative-state-dir"),
