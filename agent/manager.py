@@ -321,11 +321,12 @@ class SlotManager:
         if req.worker is not None:
             # A preset that lacks a field, or a program that is not there, refuses before anything
             # is placed.
-            resolve(req.worker, find=self._find_program)
+            resolved = resolve(req.worker, find=self._find_program)
             self._rlimit_ceilings.check(req.worker.rlimits)
             check_private_sizes(req.worker, self._host_memory)
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
+                self._sandbox.check_arguments(resolved)
             check_container(self._cdi, req.worker)
         self._check_isolation()
         with self._lock:
@@ -594,11 +595,12 @@ class SlotManager:
             body = spec if spec is not None else slot.request.worker
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
-            resolve(body, find=self._find_program)
+            resolved = resolve(body, find=self._find_program)
             self._rlimit_ceilings.check(body.rlimits)
             check_private_sizes(body, self._host_memory)
             if self._sandbox is not None:
                 self._sandbox.check(body)
+                self._sandbox.check_arguments(resolved)
             check_container(self._cdi, body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")

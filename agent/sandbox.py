@@ -224,6 +224,32 @@ class SandboxPolicy:
                     "mount below it"
                 )
 
+    def check_arguments(self, resolved: WorkerSpec) -> None:
+        """Refuse (InvalidRequest) a command whose program or arguments name a file under the
+        places the sandbox replaces (``/tmp``, ``/dev/shm``, ``/dev``) or hides: the worker would
+        not find it there (its own ``/tmp`` is empty), and fail at every start. ``resolved``: the
+        spec with its preset filled in (runtime.presets.resolve), so a preset's own arguments
+        (a model repository) are weighed too. An argument ``--flag=/path`` counts as its path."""
+        if not self.active or resolved.container is not None or not resolved.command:
+            return
+        for index, arg in enumerate(resolved.command):
+            for path in (arg, arg.partition("=")[2]):
+                if not path.startswith("/"):
+                    continue
+                where = (
+                    "the sandbox gives the worker its own /tmp, /dev and /dev/shm"
+                    if self._unreachable(path)
+                    else "the agent hides it from every worker"
+                    if meets_hidden(path, self.hidden, above=False) is not None
+                    else None
+                )
+                if where is not None:
+                    name = "program" if index == 0 else f"argument {index}"
+                    raise InvalidRequest(
+                        f"worker command: the {name} {arg!r} names {path}, which the worker cannot reach "
+                        f"({where}); put the file in a directory the worker can read, outside them"
+                    )
+
     def _unreachable(self, path: str) -> bool:
         covered = ("/tmp", "/dev/shm", "/dev")  # noqa: S108 - mount points, not files
         return meets_hidden(path, covered, above=False) is not None

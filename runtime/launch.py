@@ -9,8 +9,10 @@ The agent's side of a launch. Layout of a worker's directory (one per slot)::
     <worker_dir>/view/slot.json   the slot description (NODEAGENT_SLOT_FILE), root's, 0644
     <worker_dir>/view/tmp/        the worker's private TMPDIR (its own, 0700); sandboxed, only the
                                   mount point of its private /tmp (a tmpfs)
-    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed (its own, 0700): the mount
-                                  point of a tmpfs of its own ([sandbox] home_size)
+    <worker_dir>/view/home/       the worker's HOME when it runs sandboxed without a private /tmp
+                                  (its own, 0700); with one, HOME is /tmp/home, a tmpfs of its own
+                                  ([sandbox] home_size) inside it, and TMPDIR is /tmp: short paths,
+                                  with room for unix sockets (108 bytes) below them
     <worker_dir>/view/files/      the spec's ``files`` (root's, 0644; NODEAGENT_FILES_DIR)
 
 With a sandbox the state directory above all this is hidden from the worker, and ``view/`` alone is
@@ -104,9 +106,21 @@ def _private_dir(path: Path, identity: Identity) -> None:
         raise translate_os_error(f"prepare worker directory {path}", err, KernelError) from err
 
 
+#: HOME and TMPDIR of a sandboxed worker with a private /tmp: short, so that a server's unix
+#: sockets below them fit in sun_path's 108 bytes (PyTriton's under HOME did not, below the state
+#: directory's worker paths).
+PRIVATE_HOME = "/tmp/home"  # noqa: S108 - inside the worker's own /tmp
+PRIVATE_TMPDIR = "/tmp"  # noqa: S108
+
+
 def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]:
     """The sandbox's identity (the agent chose it), its HOME, and the worker directory's view
     shown again where the hidden state directory covers it."""
+    if "mount" in sandbox.namespaces and sandbox.tmp_bytes is not None and sandbox.home_bytes is not None:
+        identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, PRIVATE_HOME)
+        tmpfs = PrivateDir(PRIVATE_HOME, sandbox.home_bytes, 0o700, sandbox.uid, sandbox.gid)
+        sandbox = dataclasses.replace(sandbox, private_dirs=(*sandbox.private_dirs, tmpfs))
+        return _shown_again(sandbox, view), identity
     home = view / "home"
     identity = Identity(sandbox.uid, sandbox.gid, sandbox.groups, str(home))
     _private_dir(home, identity)
@@ -125,10 +139,14 @@ def _sandboxed(sandbox: SandboxSpec, view: Path) -> tuple[SandboxSpec, Identity]
             private_dirs=(*sandbox.private_dirs, *private),
             tmp_views=(*sandbox.tmp_views, *views),
         )
+    return _shown_again(sandbox, view), identity
+
+
+def _shown_again(sandbox: SandboxSpec, view: Path) -> SandboxSpec:
     hidden = [path.rstrip("/") + "/" for path in sandbox.hide_paths]
     if not any(str(view).startswith(h) for h in hidden):
-        return sandbox, identity  # not hidden: nothing to show again
-    return dataclasses.replace(sandbox, expose=(*sandbox.expose, Exposed(str(view), writable=True))), identity
+        return sandbox  # not hidden: nothing to show again
+    return dataclasses.replace(sandbox, expose=(*sandbox.expose, Exposed(str(view), writable=True)))
 
 
 def _filled(text: str, fill: Mapping[str, str]) -> str:
@@ -192,7 +210,10 @@ def build_launch_request(
     files = view / "files"
     fill = {"{threads}": str(thread_count(slot)), "{files}": str(files)}
     _write_files(files, {name: _filled(text, fill) for name, text in spec.files.items()})
-    env = worker_environment(slot, slot_file, spec.env, home=identity.home, tmpdir=str(tmpdir))
+    short = identity.home == PRIVATE_HOME
+    env = worker_environment(
+        slot, slot_file, spec.env, home=identity.home, tmpdir=PRIVATE_TMPDIR if short else str(tmpdir)
+    )
     if spec.files:
         env.setdefault("NODEAGENT_FILES_DIR", str(files))
     env = {key: _filled(value, fill) for key, value in env.items()}
@@ -202,7 +223,9 @@ def build_launch_request(
         env=env,
         run_dir=str(worker_dir / "run"),
         log_dir=str(worker_dir / "logs"),
-        cwd=spec.workdir,
+        # A preset's server writes beside itself (TorchServe its logs/, MLServer's parallel workers
+        # .metrics/ and .envs/): it starts in its HOME, not in "/", which it may not write.
+        cwd=spec.workdir or (identity.home if spec.preset is not None else None),
         cgroup_procs=binding.cgroup_procs,
         cgroup_leaf=binding.cgroup_leaf,
         netns=binding.netns,

@@ -115,7 +115,10 @@ def mount_tmpfs(target: str, size: int, mode: int = 0o1777, flags: int = MS_NOSU
 
 
 def mount_private_dir(private: PrivateDir) -> None:
-    """A tmpfs of the worker's own on ``private.path`` (which must exist), owned as asked."""
+    """A tmpfs of the worker's own on ``private.path`` (which must exist, unless it lies in the
+    worker's private /tmp, a tmpfs of its own made moments ago), owned as asked."""
+    if private.path.startswith(TMP + "/"):
+        os.makedirs(private.path, mode=0o700, exist_ok=True)
     mount(
         "tmpfs",
         private.path,
