@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from typing import Any
 
 from nodeagent.agent.slot import Slot
 from nodeagent.errors import NO_SPACE, InsufficientStorage, NodeAgentError, translate_os_error
+
+log = logging.getLogger(__name__)
 
 
 class RecoveryMode(enum.StrEnum):
@@ -128,6 +131,43 @@ class Manifests:
             return sorted(p.stem for p in self.directory.glob("*.json"))
         except OSError:
             return []
+
+    # A released slot's uid rests for [sandbox] uid_quarantine_seconds; the database says when
+    # each was released. This file says it again for a start after the database was lost, so the
+    # next slot is not handed a uid whose files the last owner may have left where it could.
+    # Its name is not a manifest's (``*.json``).
+    RELEASED_UIDS = ".released-uids"
+    #: Entries older than the longest quarantine allowed are dropped when the file is written.
+    RELEASED_KEPT_SECONDS = 31_536_000.0
+
+    def note_released(self, uid: int, at: float) -> None:
+        """Add ``uid`` released at ``at`` (wall-clock seconds). Best effort: the database holds
+        the same; without room to write this the release goes on and says so in the log."""
+        entries = {u: t for u, t in self.released_uids().items() if t > at - self.RELEASED_KEPT_SECONDS}
+        entries[uid] = at
+        path = self.directory / self.RELEASED_UIDS
+        tmp = path.with_name(f"{path.name}.tmp")
+        try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)
+            tmp.write_text(json.dumps({str(u): t for u, t in sorted(entries.items())}))
+            tmp.chmod(0o600)
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("released uid not noted beside the manifests", extra={"uid": uid, "reason": str(err)})
+
+    def released_uids(self) -> dict[int, float]:
+        """Each uid a released slot held and when (empty when none is noted or it is unreadable)."""
+        try:
+            body = json.loads((self.directory / self.RELEASED_UIDS).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(body, dict):
+            return {}
+        return {
+            int(u): float(t)
+            for u, t in body.items()
+            if u.isdigit() and isinstance(t, (int, float)) and not isinstance(t, bool)
+        }
 
 
 def recovered_name(slot_id: str) -> str:

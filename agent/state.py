@@ -275,6 +275,7 @@ class StateStore:
             # grown while the disk filled up would otherwise keep the space when it frees up.
             self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._migrate()
+            self._recall_released_uids()
         except (sqlite3.Error, OSError) as err:
             raise StateError(
                 f"cannot open the state database {path}: {err}; check the state directory"
@@ -450,14 +451,18 @@ class StateStore:
         self.manifests.write(record)
 
     def delete_slot(self, slot_id: str) -> None:
+        now = self._clock()
         with self.transaction():
+            uid = self.get_sandbox_uid(slot_id)
             self._write(
                 "INSERT OR REPLACE INTO released_uids (uid, released_at) "
                 "SELECT uid, ? FROM sandbox_ids WHERE slot_id = ?",
-                (self._clock(), slot_id),
+                (now, slot_id),
             )
             self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
         if self.manifests is not None:
+            if uid is not None:
+                self.manifests.note_released(uid, now)
             self.manifests.remove(slot_id)
 
     def get_slot(self, slot_id: str) -> Slot | None:
@@ -551,6 +556,25 @@ class StateStore:
             self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
             self._keep_uid_in_manifest(slot_id)
             return uid
+
+    def _recall_released_uids(self) -> None:
+        """Take back the releases noted beside the manifests that the database does not know (it
+        was lost, or is older): their uids rest as long as they would have."""
+        if self.manifests is None:
+            return
+        known = dict(self._read("SELECT uid, released_at FROM released_uids"))
+        newer = [(u, t) for u, t in self.manifests.released_uids().items() if t > known.get(u, float("-inf"))]
+        if not newer:
+            return
+        try:
+            with self.transaction():
+                for uid, at in newer:
+                    self._write(
+                        "INSERT OR REPLACE INTO released_uids (uid, released_at) VALUES (?, ?)", (uid, at)
+                    )
+        except NodeAgentError as err:
+            # A start on a full disk must still work; the next start that can write takes them back.
+            log.warning("released uids not taken back", extra={"reason": str(err)})
 
     def restore_sandbox_uid(self, slot_id: str, uid: int) -> None:
         """Give a rebuilt slot back the uid its worker runs as (start-up after a lost database);

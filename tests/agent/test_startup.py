@@ -108,7 +108,9 @@ def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(dae
         "worker": WORKER,
     }
     assert client.post("/v1/slots", json=early).status_code == 201
-    wait_until("the early worker", lambda: client.get("/v1/slots/early").json().get("sandbox"))
+    early_uid = wait_until("the early worker", lambda: client.get("/v1/slots/early").json().get("sandbox"))[
+        "uid"
+    ]
     body = {"name": "web", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}, "worker": WORKER}
     assert client.post("/v1/slots", json=body).status_code == 201
     assert client.delete("/v1/slots/early").status_code == 204
@@ -146,6 +148,8 @@ def test_a_lost_database_keeps_the_running_worker_until_the_operator_chooses(dae
         "the other worker", lambda: client.get("/v1/slots/other").json().get("sandbox") or None
     )
     assert second["uid"] != running_uid
+    # Nor the uid "early" left: it rests for its quarantine although the database that said so is gone.
+    assert second["uid"] != early_uid
     for name in ("web", "other"):
         assert client.delete(f"/v1/slots/{name}").status_code == 204
     client.close()

@@ -13,6 +13,7 @@ import pytest
 
 from nodeagent.agent import ballast as ballast_module
 from nodeagent.agent.ballast import Ballast
+from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
 from nodeagent.isolation.slot import AppliedSlot
@@ -202,6 +203,48 @@ def test_a_released_uid_rests_for_its_quarantine_before_another_slot_gets_it(tmp
         assert quarantined.sandbox_uid("s3", 700000, 700010, lambda uid: False, 600) == first  # rested
     finally:
         quarantined.close()
+
+
+def test_a_released_uid_still_rests_after_the_database_is_lost(tmp_path: Path) -> None:
+    # serve --recover after a lost database: the uid "a" held rests as long as it would have,
+    # noted beside the manifests (the database that said so is gone).
+    now = [1000.0]
+    manifests = Manifests(tmp_path / "slots")
+    before = StateStore(tmp_path / "q.db", manifests=manifests, clock=lambda: now[0])
+    try:
+        before.insert_slot(slot("s1", "a"))
+        first = before.sandbox_uid("s1", 700000, 700010, lambda uid: False, 600)
+        before.delete_slot("s1")
+    finally:
+        before.close()
+    assert manifests.slot_ids() == []  # the note is not taken for a slot's manifest
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"q.db{suffix}").unlink(missing_ok=True)
+    now[0] += 300
+    after = StateStore(tmp_path / "q.db", manifests=manifests, clock=lambda: now[0])
+    try:
+        after.insert_slot(slot("s2", "b"))
+        after.insert_slot(slot("s3", "c"))
+        assert after.sandbox_uid("s2", 700000, 700010, lambda uid: False, 600) != first  # rests
+        now[0] += 301
+        assert after.sandbox_uid("s3", 700000, 700010, lambda uid: False, 600) == first  # rested
+    finally:
+        after.close()
+    assert stat.S_IMODE((tmp_path / "slots" / Manifests.RELEASED_UIDS).stat().st_mode) == 0o600
+
+
+def test_an_unreadable_note_of_released_uids_is_no_release(tmp_path: Path) -> None:
+    manifests = Manifests(tmp_path / "slots")
+    (tmp_path / "slots").mkdir()
+    for body in ("not json", "[1, 2]", '{"x": 1, "700000": "soon", "700001": true}'):
+        (tmp_path / "slots" / Manifests.RELEASED_UIDS).write_text(body)
+        assert manifests.released_uids() == {}
+    store = StateStore(tmp_path / "q.db", manifests=manifests)
+    try:
+        store.insert_slot(slot("s1", "a"))
+        assert store.sandbox_uid("s1", 700000, 700010, lambda uid: False, 600) == 700000
+    finally:
+        store.close()
 
 
 def test_a_range_held_or_resting_says_so(tmp_path: Path) -> None:
