@@ -7,24 +7,13 @@ from pathlib import Path
 import click
 
 from nodeagent.agent.config import apply_overrides, load_config
+from nodeagent.cli.host_options import host_options
 
 
 @click.command("serve")
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="TOML configuration file [default: /etc/nodeagent/config.toml if present, else defaults].",
-)
+@host_options
 @click.option(
     "--listen", metavar="HOST:PORT", default=None, help="Serve the REST API here [default: 127.0.0.1:7070]."
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Database, API token and worker directories [default: /var/lib/nodeagent as root].",
 )
 @click.option(
     "--recover",

@@ -8,22 +8,11 @@ from pathlib import Path
 import click
 
 from nodeagent.agent.config import apply_overrides, load_config
+from nodeagent.cli.host_options import host_options
 
 
 @click.command("uninstall")
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="TOML configuration file [default: /etc/nodeagent/config.toml if present, else defaults].",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The agent's state directory [default: /var/lib/nodeagent as root].",
-)
+@host_options
 @click.option(
     "--release-slots",
     is_flag=True,

@@ -43,6 +43,19 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
         isolation.isolator.remove_all()  # kills what the test left in its slots
 
 
+def allocate_and_wait(
+    argv: list[str], request: dict[str, object], *, timeout: int
+) -> subprocess.CompletedProcess[str]:
+    """``nodeagent slots allocate --request ... --wait`` (argv: the CLI against the daemon)."""
+    return subprocess.run(
+        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", str(timeout)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -165,13 +178,7 @@ def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(dae
         "resources": {"cpus": 0.1, "memory": "32Mi"},
         "worker": {"command": ["/nonexistent/server"], "restart": "always"},
     }
-    done = subprocess.run(
-        [*argv, "allocate", "--request", json.dumps(missing), "--wait", "--timeout", "20"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = allocate_and_wait(argv, missing, timeout=20)
     assert done.returncode != 0, done.stdout + done.stderr
     assert "program '/nonexistent/server' not found" in done.stderr
     assert client.get("/v1/slots/missing").status_code == 404
@@ -182,13 +189,7 @@ def test_a_worker_that_cannot_launch_fails_at_once_and_allocate_wait_says_so(dae
         "resources": {"cpus": 0.1, "memory": "32Mi"},
         "worker": {"command": ["/bin/true"], "workdir": "/nonexistent-natest", "restart": "always"},
     }
-    done = subprocess.run(
-        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "20"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = allocate_and_wait(argv, request, timeout=20)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "did not start" in done.stderr
     assert "launch failed" in done.stderr
@@ -214,13 +215,7 @@ def test_allocate_wait_fails_for_a_probeless_worker_that_exits_at_once(daemon: D
         "resources": {"cpus": 0.1, "memory": "32Mi"},
         "worker": {"command": ["/bin/sh", "-c", "exit 3"], "restart": "always"},
     }
-    done = subprocess.run(
-        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "20"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = allocate_and_wait(argv, request, timeout=20)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "did not start" in done.stderr
 
@@ -243,13 +238,7 @@ def test_a_worker_that_is_not_ready_says_why_in_show_and_in_wait(
             "readiness": {"http": {"port": port, "path": "/v2/models/typo/ready"}},
         },
     }
-    done = subprocess.run(
-        [*argv, "allocate", "--request", json.dumps(request), "--wait", "--timeout", "4"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = allocate_and_wait(argv, request, timeout=4)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "last readiness probe: GET /v2/models/typo/ready: HTTP 404" in done.stderr
     assert "likely: the server answers, but has nothing at /v2/models/typo/ready" in done.stderr
