@@ -80,6 +80,10 @@ ExecProbe = Callable[[Probe, WorkerHandle], "bool | ProbeResult"]
 #: answers (connection refused, 503, not serving) keep the start-up period: a server is still
 #: seen ready within startup_period_seconds of being so.
 DEFINITE_BACKOFF_MAX_SECONDS = 1.0
+#: Definite answers in a row before the back-off starts: a server may answer 404 for a moment
+#: while it registers its model (TorchServe's management API does), and readiness right after
+#: must still be seen within startup_period_seconds.
+DEFINITE_GRACE_ANSWERS = 20
 
 
 def as_result(outcome: bool | ProbeResult, probe: Probe) -> ProbeResult:
@@ -224,9 +228,10 @@ class ProbeTracker:
 def startup_interval(probe: Probe, definite_in_row: int) -> float:
     """Seconds to the next start-up check after ``definite_in_row`` definite "no" answers in a row."""
     base = probe.startup_period_seconds
-    if definite_in_row <= 1:
+    beyond = definite_in_row - DEFINITE_GRACE_ANSWERS
+    if beyond <= 0:
         return base
-    doubled = base * (1 << min(definite_in_row - 1, 30))
+    doubled = base * (1 << min(beyond, 30))
     return max(base, min(DEFINITE_BACKOFF_MAX_SECONDS, doubled))
 
 
