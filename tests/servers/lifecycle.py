@@ -55,9 +55,14 @@ def first_port() -> int:
     return 20000 + (os.getpid() % 99) * 100
 
 
-def server_daemon(tmp: Path) -> Daemon:
-    """test_e2e's daemon under ``tmp``, assigning worker ports from this process's range."""
+def server_daemon(tmp: Path, state: Path | None = None) -> Daemon:
+    """test_e2e's daemon under ``tmp``, assigning worker ports from this process's range.
+    ``state``: the agent's default state directory (``serve`` is given no --state-dir; the caller
+    makes sure no other agent uses it and removes it after), instead of one under ``tmp``."""
     daemon = Daemon(tmp)
+    if state is not None:
+        daemon.state = state
+        daemon.pass_state_dir = False
     first = first_port()
     text = daemon.config.read_text()
     daemon.config.write_text(text.replace("[workers]\n", f'[workers]\nport_range = "{first}-{first + 99}"\n'))
