@@ -17,7 +17,10 @@ import pytest
 from tests.servers.lifecycle import Case, oip_infer
 from tests.workerpy import make_venv
 
-MLSERVER = "mlserver==1.7.1"
+#: MLServer 1.7.1's parallel workers fail to start with uvloop 0.22 and later, which a plain
+#: `pip install mlserver` brings ("There is no current event loop", SeldonIO/MLServer#2286, not
+#: fixed in a release): every model fails to load, with or without the agent.
+MLSERVER = ("mlserver==1.7.1", "uvloop<0.22")
 KSERVE = "kserve==0.21.0"
 HERE = Path(__file__).resolve().parent
 
@@ -53,7 +56,7 @@ def _make_venv_once(venv: Path, packages: list[str]) -> None:
 def build_mlserver(base: Path) -> Path:
     """``base`` with ``venv/`` (``pip install mlserver``) and ``models/`` (MLServer's settings.json
     and the test model, ``doubler/``)."""
-    _make_venv_once(base / "venv", [MLSERVER])
+    _make_venv_once(base / "venv", [*MLSERVER])
     model = base / "models" / "doubler"
     model.mkdir(parents=True, exist_ok=True)
     (base / "models" / "settings.json").write_text(json.dumps(MLSERVER_SETTINGS))
