@@ -533,32 +533,37 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
 
 
 def _guard_api(config: AgentConfig) -> ApiGuard | None:
-    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and off every local
-    address with ``[isolation] local_default_deny`` (isolation/api_guard.py); where nftables is
-    missing the agent runs without the rules and says so."""
-    from nodeagent.isolation.api_guard import ApiGuard, table_name  # noqa: PLC0415
+    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and, with
+    ``[isolation] local_default_deny`` (the default), off every local address, every listener of
+    another uid and every slot with a network (isolation/api_guard.py); where nftables is missing
+    the agent runs without the rules and says so."""
+    from nodeagent.isolation.api_guard import ApiGuard, LocalDeny, table_name  # noqa: PLC0415
     from nodeagent.isolation.firewall import LibNftables  # noqa: PLC0415
 
     api_port = config.api.port if config.api.listen else None
-    local_deny = config.isolation.local_default_deny
-    if not config.sandbox.enabled or (not local_deny and (api_port is None or config.api.slots_may_connect)):
+    iso = config.isolation
+    if not config.sandbox.enabled or (
+        not iso.local_default_deny and (api_port is None or config.api.slots_may_connect)
+    ):
         return None
-    open_ports = tuple(
-        (protocol, int(number))
-        for number, _, protocol in (entry.partition("/") for entry in config.isolation.local_open_ports)
-    )
-    guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
+    local_deny = None
+    if iso.local_default_deny:
+        open_ports = tuple(
+            (protocol, int(number))
+            for number, _, protocol in (entry.partition("/") for entry in iso.local_open_ports)
+        )
+        local_deny = LocalDeny(open_ports=open_ports, network_cidr=iso.network_cidr)
+    guard = ApiGuard(LibNftables(), table_name(iso.firewall_table))
     try:
         guard.install(
             config.sandbox.uid_bounds(),
             api_port=api_port,
             api_open=config.api.slots_may_connect,
             local_deny=local_deny,
-            open_ports=open_ports,
         )
     except (NodeAgentError, OSError) as err:
         log.warning(
-            "sandboxed slots can connect to the API and local services: the firewall rules failed",
+            "sandboxed slots can reach the API, local services and each other: the firewall rules failed",
             extra={"error": str(err)},
         )
         return None
