@@ -34,10 +34,14 @@ Run as root on a host with writable cgroups; everything lives under a test cgrou
 port, and is removed afterwards. The first run installs the servers (about a minute each).
 
     python bench/model_servers.py [--runs 7] [--servers oip,mlserver,kserve,torchserve,triton]
-        [--keep-venvs DIR] [--memory 1Gi] [--cpus N]
+        [--keep-venvs DIR] [--memory 1Gi] [--cpus N] [--sandbox default|no-seccomp|off]
+        [--hand-probe] [--startup-period S]
 
 --keep-venvs DIR: the servers' installs in DIR/<server> (as bench/validate_servers.py --keep-venvs
 leaves them; made there when missing, kept afterwards). TorchServe's install is about 5 GB (torch).
+To tell the agent's parts apart: --sandbox (no seccomp filter; no sandbox), --memory (the JVM sizes
+its heap and picks its collector by it), --hand-probe (the agent's start-up probe beside the by-hand
+server too), --startup-period (the agent's start-up probe at another period).
 """
 
 from __future__ import annotations
@@ -313,6 +317,13 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
+def new_poller() -> httpx.Client:
+    """The bench's client for one round: one kept-alive connection from BENCH_ADDRESS (a new
+    connection every 10 ms would load the server more than the agent's probe does), closed at the
+    round's end (a server may wait for open connections before it exits: Triton did, 30 s)."""
+    return httpx.Client(timeout=1.0, transport=httpx.HTTPTransport(local_address=BENCH_ADDRESS))
+
+
 def ready(poller: httpx.Client, url: str, check: ReadyCheck) -> bool:
     try:
         answer = poller.get(url)
@@ -389,9 +400,7 @@ def probing(url_port: int, check: ReadyCheck, stop: threading.Event) -> threadin
     return thread
 
 
-def by_hand_once(
-    poller: httpx.Client, server: Server, *, hand_probe: bool = False
-) -> tuple[float, dict[str, float], str]:
+def by_hand_once(server: Server, *, hand_probe: bool = False) -> tuple[float, dict[str, float], str]:
     ports = dict(zip(server.ports, free_ports(len(server.ports)), strict=True))
     workdir = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-hand-"))
     argv, extra = server.by_hand(ports, workdir)
@@ -416,6 +425,7 @@ def by_hand_once(
     stop = threading.Event()
     if hand_probe:
         probing(ports[server.check.port], server.check, stop)
+    poller = new_poller()
     try:
         while not ready(poller, url, server.check):
             if process.poll() is not None:
@@ -433,6 +443,7 @@ def by_hand_once(
         return took, relative(steps, wall), note
     finally:
         stop.set()
+        poller.close()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -448,8 +459,6 @@ def by_hand_once(
                 time.sleep(0.05)
             os.killpg(process.pid, signal.SIGKILL)
         time.sleep(0.2)
-        if os.environ.get("BENCH_KEEP_HAND"):
-            print(output.read_text(errors="replace")[-3000:])
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -468,9 +477,7 @@ class AgentRound:
     note: str
 
 
-def agent_once(
-    client: httpx.Client, poller: httpx.Client, server: Server, number: int, *, cpus: float, memory: str
-) -> AgentRound:
+def agent_once(client: httpx.Client, server: Server, number: int, *, cpus: float, memory: str) -> AgentRound:
     name = f"bench-{server.name}-{number}"
     body = {
         "name": name,
@@ -488,6 +495,7 @@ def agent_once(
     pid = (slot.get("worker") or {}).get("pid")
     (endpoint,) = [e for e in slot["endpoints"] if e["name"] == server.check.port]
     url = f"http://{endpoint['address']}:{endpoint['port']}{server.check.path}"
+    poller = new_poller()
     try:
         # The model's URL polled every 10 ms, as by hand; the agent is not asked meanwhile (asking
         # it every 10 ms would load a small host more than the agent itself does).
@@ -516,6 +524,7 @@ def agent_once(
             steps.update(logged)
         return AgentRound(allocated, answered, running, relative(steps, wall), note)
     finally:
+        poller.close()
         client.delete(f"/v1/slots/{slot['id']}")
 
 
@@ -619,11 +628,23 @@ def steps_table(name: str, t: Times) -> str:
             f"({min(probes):.0f}-{max(probes):.0f}) | |"
         )
     for key in ("probe gap", "stdout lag"):
+        if not any(key in s for s in t.agent_steps):
+            continue
         rows.append(f"| agent's {key} (longest) | | {ms([s[key] for s in t.agent_steps if key in s])} | |")
     codes = sorted(set(t.notes))
+    if not any(codes):
+        return "\n".join(rows)
     return (
         "\n".join(rows) + f"\n\nthe agent's probe answers during the start (status codes in order): {codes}"
     )
+
+
+def readiness(check: ReadyCheck, startup_period: float) -> dict[str, Any]:
+    """--startup-period: the preset's readiness check as a spec's own probe, with that period."""
+    http: dict[str, Any] = {"port": check.port, "path": check.path}
+    if check.body is not None:
+        http["body"] = check.body.model_dump(exclude_none=True)
+    return {"http": http, "period_seconds": 2.0, "startup_period_seconds": startup_period}
 
 
 def cpu_of(t: Times) -> tuple[list[float], list[float]]:
@@ -649,6 +670,13 @@ def main() -> None:
         help="run the agent's start-up readiness probe beside each by-hand server too (its cost)",
     )
     parser.add_argument(
+        "--startup-period",
+        type=float,
+        default=None,
+        help="the agent's start-up probe period in seconds (the preset's readiness check with "
+        "startup_period_seconds set; default: the preset's own, 0.05)",
+    )
+    parser.add_argument(
         "--keep-venvs", type=Path, default=None, help="the installs in (and kept in) DIR/<server>"
     )
     args = parser.parse_args()
@@ -661,7 +689,6 @@ def main() -> None:
     keep = args.keep_venvs.resolve() if args.keep_venvs else None
     work = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-bench-"))
     first_port = 30000 + (os.getpid() % 20) * 100
-    poller = httpx.Client(timeout=1.0, transport=httpx.HTTPTransport(local_address=BENCH_ADDRESS))
     with installed(kinds, keep) as (installs, workers):
         daemon = DaemonProcess(work, config_text(first_port, args.sandbox))
         client = daemon.start()
@@ -670,15 +697,20 @@ def main() -> None:
             for name, server in servers(installs, workers, args.cpus).items():
                 if args.sandbox == "no-seccomp":
                     server.worker = {**server.worker, "sandbox": {"seccomp": "unconfined"}}
+                if args.startup_period is not None:
+                    server.worker = {
+                        **server.worker,
+                        "readiness": readiness(server.check, args.startup_period),
+                    }
                 times = results.setdefault(name, Times())
                 by_hand_once(
-                    poller, server, hand_probe=args.hand_probe
+                    server, hand_probe=args.hand_probe
                 )  # warm the page cache: both paths then read the same files
                 for number in range(args.runs):
-                    took, hand_steps, _ = by_hand_once(poller, server, hand_probe=args.hand_probe)
+                    took, hand_steps, _ = by_hand_once(server, hand_probe=args.hand_probe)
                     times.by_hand.append(took)
                     times.hand_steps.append(hand_steps)
-                    done = agent_once(client, poller, server, number, cpus=args.cpus, memory=args.memory)
+                    done = agent_once(client, server, number, cpus=args.cpus, memory=args.memory)
                     times.allocated.append(done.allocated)
                     times.answers.append(done.answered)
                     times.running.append(done.running)
@@ -697,7 +729,6 @@ def main() -> None:
                             flush=True,
                         )
         finally:
-            poller.close()
             client.close()
             daemon.stop()
             remove_bench_objects(daemon.state)
