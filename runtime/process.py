@@ -29,6 +29,13 @@ from nodeagent.errors import WorkerError
 
 STATE_FILE = "worker.json"
 STATE_SCHEMA = "nodeagent.worker-state/v1"
+#: In a worker's run directory: the launch id of the launch the agent asked to stop. Once a main
+#: process ends, the keeper ends what is left of its tree (every task of its slot): with the stop
+#: grace after a stop the agent asked for, so helpers finish draining; with at most
+#: ORPHAN_GRACE_SECONDS after a main process ended on its own (a crash, an exit, the OOM killer),
+#: whose helpers are orphans of a server that is gone and whose restart waits for them.
+STOP_REQUESTED = "stop-requested"
+ORPHAN_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -325,9 +332,15 @@ class WorkerProcess:
         return None if self._notice < 0 or self._exit is not None else self._notice
 
     def send_signal(self, sig: int) -> None:
-        """Signal the worker through its pidfd: never a stranger that inherited the pid."""
+        """Ask the worker to stop with ``sig``, through its pidfd: never a stranger that inherited
+        the pid. The run directory first says that this launch was asked to stop
+        (:data:`STOP_REQUESTED`), so that the keeper gives what is left of its tree, once the main
+        process ends, the whole stop grace to drain, not an orphan's."""
         if self._pidfd < 0:
             return
+        # Unwritten, the remainder of its tree gets an orphan's grace: shorter, never longer.
+        with contextlib.suppress(OSError):
+            (self.run_dir / STOP_REQUESTED).write_text(self.state.launch_id)
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, sig)
 
