@@ -46,6 +46,7 @@ from nodeagent.agent.systemd import (
     stop_workers_with_agent,
     take_stopped_workers,
 )
+from nodeagent.atomicfile import write_atomic
 from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
@@ -169,17 +170,9 @@ def ensure_token(path: Path) -> str:
     if token:
         return token
     token = secrets.token_urlsafe(32)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (token + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(path, token + "\n", mode=0o600, durable=True)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         if err.errno in NO_SPACE:
             raise InsufficientStorage(
                 f"cannot create the API token {path}: its filesystem is full; free space there, then start "

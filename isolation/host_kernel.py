@@ -23,13 +23,13 @@ import errno
 import os
 import socket
 import struct
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nodeagent.cgroups.systemd import run_systemctl
 from nodeagent.cpulist import format_cpulist, parse_cpulist
-from nodeagent.errors import InvalidRequest
+from nodeagent.errors import CgroupError, InvalidRequest
 from nodeagent.isolation.host import Knob, Task
 
 #: systemd unit types that own a cgroup (a directory named like this is a unit's cgroup)
@@ -291,14 +291,13 @@ class Workqueue:
 SystemctlRunner = Callable[[Sequence[str]], None]
 
 
-def run_systemctl(args: Sequence[str]) -> None:
-    """``systemctl ARGS``; OSError (EIO) with systemctl's own words when it refuses."""
+def systemctl_write(args: Sequence[str]) -> None:
+    """``systemctl ARGS`` through the agent's one runner (cgroups/systemd.py); a refusal becomes
+    OSError (EIO) with systemctl's own words, as every write here reports."""
     try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise OSError(errno.EIO, f"systemctl {' '.join(args)}: {err}") from err
-    if done.returncode != 0:
-        raise OSError(errno.EIO, f"systemctl {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        run_systemctl(args)
+    except CgroupError as err:
+        raise OSError(errno.EIO, str(err)) from err
 
 
 def systemd_owns_cgroups(proc: Path = Path("/proc"), run: Path = Path("/run")) -> bool:
@@ -325,7 +324,7 @@ class CgroupSiblings:
         parent: str,
         *,
         systemd: bool = False,
-        systemctl: SystemctlRunner = run_systemctl,
+        systemctl: SystemctlRunner = systemctl_write,
     ) -> None:
         self.mount = mount
         self._route = [part for part in parent.strip("/").split("/") if part]
@@ -467,6 +466,6 @@ __all__ = [
     "interrupt_names",
     "parse_mask",
     "parse_stat",
-    "run_systemctl",
+    "systemctl_write",
     "systemd_owns_cgroups",
 ]

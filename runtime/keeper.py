@@ -64,6 +64,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from nodeagent.libc import libc
 from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime import sandbox
 from nodeagent.runtime.custody import INDEX_DIR, IO_DIR, READ_SIZE, KeptWorker, WorkerCustody, log, unlink
@@ -84,7 +85,7 @@ FIFO_BYTES = 1 << 20
 #: Workers per status reply (each takes a few hundred bytes of a message's 64 KiB).
 STATUS_PAGE = 100
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = libc  # the process's one handle (nodeagent/libc.py)
 
 
 def _close(fd: int) -> None:
