@@ -41,12 +41,14 @@ from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, S
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
+from nodeagent.procfmt import IRQ, NICE, SOFTIRQ, STEAL, SYSTEM, USER, meminfo_bytes, parse_cpu_ticks
+from nodeagent.procfmt import parse_meminfo as meminfo_fields
 
 log = logging.getLogger(__name__)
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: /proc/stat cpuN fields counted as busy: user nice system (idle iowait) irq softirq steal.
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_BUSY_FIELDS = (USER, NICE, SYSTEM, IRQ, SOFTIRQ, STEAL)
 
 
 # --------------------------------------------------------------------------- /proc readers
@@ -56,29 +58,20 @@ def parse_proc_stat(text: str) -> dict[int, int]:
     """Cumulative busy time per CPU in nanoseconds from /proc/stat (guest time is already in user;
     steal counts as busy: time the hypervisor took is not ours to give to best-effort)."""
     busy: dict[int, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu":
-            continue
-        suffix = name[3:]
-        if not suffix.isdigit():
-            continue
-        values = [int(v) for v in rest.split()]
+    for cpu, values in parse_cpu_ticks(text).items():
         ticks = sum(values[i] for i in _BUSY_FIELDS if i < len(values))
-        busy[int(suffix)] = ticks * (1_000_000_000 // _CLOCK_TICKS)
+        busy[cpu] = ticks * (1_000_000_000 // _CLOCK_TICKS)
     return busy
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes; ValueError when either is missing."""
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            found[key] = int(rest.split()[0]) * 1024
-    if len(found) != 2:
-        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {sorted(found)})")
-    return found["MemTotal"], found["MemAvailable"]
+    info = meminfo_fields(text)
+    total, available = meminfo_bytes(info.get("MemTotal")), meminfo_bytes(info.get("MemAvailable"))
+    if total is None or available is None:
+        found = sorted(k for k in ("MemTotal", "MemAvailable") if meminfo_bytes(info.get(k)) is not None)
+        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {found})")
+    return total, available
 
 
 # --------------------------------------------------------------------------- the sampler
