@@ -41,7 +41,8 @@ from nodeagent.cgroups.systemd import (
     run_systemctl,
     unit_of,
 )
-from nodeagent.errors import CgroupError, ConfigError, NodeAgentError
+from nodeagent.errors import CgroupError, ConfigError, DiscoveryError, NodeAgentError
+from nodeagent.kernelfs import Procfs
 
 log = logging.getLogger("nodeagent.systemd")
 
@@ -69,10 +70,10 @@ class CgroupLayout:
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
     """The systemd unit this process runs in, read from /proc/self/cgroup (None when none)."""
     try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError:
+        text = Procfs(proc_root).read_text("self/cgroup")
+    except DiscoveryError:
         return None
-    cgroup = own_cgroup(text)
+    cgroup = None if text is None else own_cgroup(text)
     return None if cgroup is None else unit_of(cgroup)
 
 

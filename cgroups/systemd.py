@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent.cgroups.delegation import AGENT, Delegation
-from nodeagent.errors import CgroupError
+from nodeagent.errors import CgroupError, DiscoveryError
+from nodeagent.kernelfs import Procfs
 
 #: What sd_booted(3) checks.
 BOOTED_MARK = Path("run/systemd/system")
@@ -197,11 +198,11 @@ def discover(
 ) -> tuple[Delegation, str | None]:
     """The delegation for this process, and the name of its own unit (None outside any unit)."""
     try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError as err:
-        raise CgroupError(
-            f"cannot read {proc_root}/self/cgroup to find the agent's unit: {err.strerror}"
-        ) from err
+        text = Procfs(proc_root).read_text("self/cgroup")
+    except DiscoveryError as err:
+        raise CgroupError(f"cannot find the agent's unit: {err}", errno_=err.errno) from err
+    if text is None:
+        raise CgroupError(f"cannot read {proc_root}/self/cgroup to find the agent's unit: no such file")
     own = own_cgroup(text)
     if own is None:
         raise NoDelegation(

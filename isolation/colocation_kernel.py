@@ -36,11 +36,12 @@ from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, op
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
-from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
+from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
+from nodeagent.kernelfs import Procfs
 from nodeagent.procfmt import IRQ, NICE, SOFTIRQ, STEAL, SYSTEM, USER, meminfo_bytes, parse_cpu_ticks
 from nodeagent.procfmt import parse_meminfo as meminfo_fields
 
@@ -108,6 +109,7 @@ class Sampler:
         self.allowed = allowed
         self.core_of = dict(core_of)
         self.proc_root = proc_root
+        self._procfs = Procfs(proc_root)
         self._v2 = host.mode == "v2" and host.v2_mount is not None
         self._cpu_mount: Path | None
         self._memory_mount: Path | None
@@ -217,11 +219,13 @@ class Sampler:
         )
 
     def _read_proc(self, name: str) -> str:
-        path = self.proc_root / name
         try:
-            return path.read_text()
-        except OSError as err:
-            raise translate_os_error(f"reading {path}", err, CgroupError) from err
+            text = self._procfs.read_text(name)
+        except DiscoveryError as err:
+            raise CgroupError(str(err), errno_=err.errno) from err
+        if text is None:
+            raise CgroupError(f"reading {self.proc_root / name}: no such file; is procfs mounted there?")
+        return text
 
     @staticmethod
     def _read_int(mount: Path | None, relpath: str, name: str) -> int | None:

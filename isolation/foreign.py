@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.errors import DiscoveryError, os_error_message
+from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import Procfs
 from nodeagent.procfmt import parse_cpu_ticks
 
 USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -51,10 +52,10 @@ def parse_proc_stat(text: str) -> dict[int, CpuTicks]:
 
 
 def read_proc_stat(proc: Path = Path("/proc")) -> dict[int, CpuTicks]:
-    try:
-        return parse_proc_stat((proc / "stat").read_text())
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"reading {proc / 'stat'}", err)) from err
+    text = Procfs(proc).read_text("stat")
+    if text is None:
+        raise DiscoveryError(f"reading {proc / 'stat'}: no such file; is procfs mounted at {proc}?")
+    return parse_proc_stat(text)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import WorkerError
+from nodeagent.kernelfs import Procfs
 
 STATE_FILE = "worker.json"
 STATE_SCHEMA = "nodeagent.worker-state/v1"
@@ -202,9 +203,8 @@ def read_state(run_dir: Path) -> WorkerState | None:
 
 def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """Field 22 of /proc/<pid>/stat, or None when no such process exists."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    text = Procfs(proc).read_text(f"{pid}/stat")
+    if text is None:
         return None
     # comm (field 2) may hold spaces and parentheses; the fields after its last ')' are fixed.
     fields = text[text.rindex(")") + 2 :].split()
