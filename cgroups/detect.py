@@ -97,9 +97,9 @@ def parse_proc_cgroups(text: str) -> frozenset[str]:
 
 def parse_own_v2_cgroup(text: str) -> str | None:
     """This process's v2 cgroup from /proc/self/cgroup (the ``0::/path`` line)."""
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip() or "/"
+    for hierarchy, controllers, path in procfmt.parse_proc_cgroup(text):
+        if hierarchy == "0" and controllers == "":
+            return path.strip() or "/"
     return None
 
 

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from nodeagent.errors import CgroupError, translate_os_error
+from nodeagent.errors import CgroupError, DiscoveryError, translate_os_error
+from nodeagent.kernelfs import Procfs
 from nodeagent.procfmt import parse_mountinfo
 
 
@@ -79,8 +80,10 @@ def _root_facts(root: str) -> tuple[str, bool]:
 def mount_fs_type(path: str, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
     """The filesystem type of the mount ``path`` (a real path) lies on, or None when unknown."""
     try:
-        text = mountinfo.read_text()
-    except OSError:
+        text = Procfs(mountinfo.parent).read_text(mountinfo.name)
+    except DiscoveryError:
+        return None
+    if text is None:
         return None
     best, fs_type = "", None
     for mount in parse_mountinfo(text):

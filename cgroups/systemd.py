@@ -31,6 +31,7 @@ from pathlib import Path
 from nodeagent.cgroups.delegation import AGENT, Delegation
 from nodeagent.errors import CgroupError, DiscoveryError
 from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import parse_proc_cgroup
 
 #: What sd_booted(3) checks.
 BOOTED_MARK = Path("run/systemd/system")
@@ -60,9 +61,7 @@ def own_cgroup(text: str) -> str | None:
     """This process's cgroup as systemd tracks it, from /proc/self/cgroup: the unified ``0::`` line,
     else the ``name=systemd`` line of a cgroup v1 host; without the leading slash ("" for the root)."""
     named = None
-    for line in text.splitlines():
-        number, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
+    for number, controllers, path in parse_proc_cgroup(text):
         if number == "0" and controllers == "":
             return path.strip().strip("/")
         if "name=systemd" in controllers.split(","):

@@ -32,6 +32,7 @@ from nodeagent.cpulist import format_cpulist, parse_cpulist
 from nodeagent.errors import CgroupError, InvalidRequest
 from nodeagent.isolation.host import Knob, Task
 from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.procfmt import parse_proc_cgroup
 
 #: systemd unit types that own a cgroup (a directory named like this is a unit's cgroup)
 UNIT_SUFFIXES = (".slice", ".scope", ".service", ".socket", ".mount", ".swap")
@@ -166,9 +167,7 @@ class ProcTasks:
         in_slot = False
         v2_path = None
         prefix = self._slot_prefix
-        for line in cgroups.splitlines():
-            hierarchy, _, rest = line.partition(":")
-            _, _, path = rest.partition(":")
+        for hierarchy, _controllers, path in parse_proc_cgroup(cgroups):
             if prefix is not None and (path == prefix or path.startswith(prefix + "/")):
                 in_slot = True
             if hierarchy == "0":

@@ -7,7 +7,8 @@ count as busy, which mounts matter, what an absent key means, is each caller's.
 - ``/proc/stat``: :func:`parse_cpu_ticks`, the ``cpuN`` lines' counters;
 - ``/proc/meminfo`` and ``/sys/devices/system/node/nodeN/meminfo``: :func:`parse_meminfo`,
   :func:`meminfo_bytes`;
-- ``/proc/PID/mountinfo``: :func:`parse_mountinfo`.
+- ``/proc/PID/mountinfo``: :func:`parse_mountinfo`;
+- ``/proc/PID/cgroup``: :func:`parse_proc_cgroup`.
 
 Standard library only: the keeper and its forked children import it.
 """
@@ -105,6 +106,22 @@ def parse_mountinfo(text: str) -> list[MountInfo]:
     return mounts
 
 
+# ---------------------------------------------------------------------------- /proc/PID/cgroup
+
+
+def parse_proc_cgroup(text: str) -> list[tuple[str, str, str]]:
+    """(hierarchy id, controllers, path) of each line of /proc/PID/cgroup, in its order: ``"0"``
+    and ``""`` for the unified (v2) hierarchy, ``"cpu,cpuacct"`` or ``"name=systemd"`` for a v1
+    one. The path is as written (``"/"`` for a root); a line without two colons is left out."""
+    found: list[tuple[str, str, str]] = []
+    for line in text.splitlines():
+        hierarchy, sep, rest = line.partition(":")
+        controllers, sep2, path = rest.partition(":")
+        if sep and sep2:
+            found.append((hierarchy, controllers, path))
+    return found
+
+
 __all__ = [
     "IDLE",
     "IOWAIT",
@@ -119,5 +136,6 @@ __all__ = [
     "parse_cpu_ticks",
     "parse_meminfo",
     "parse_mountinfo",
+    "parse_proc_cgroup",
     "unescape",
 ]

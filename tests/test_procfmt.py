@@ -10,6 +10,7 @@ from nodeagent.procfmt import (
     parse_cpu_ticks,
     parse_meminfo,
     parse_mountinfo,
+    parse_proc_cgroup,
 )
 
 
@@ -51,3 +52,12 @@ def test_mountinfo_fields_and_escapes() -> None:
     assert mounts[1].root == "/sub\\dir"
     assert mounts[2].mount_point == "/srv/été"  # the kernel escapes only space, tab, newline, backslash
     assert [m.fstype for m in mounts] == ["cgroup2", "ext4", "tmpfs"]
+
+
+def test_proc_cgroup_lines() -> None:
+    text = "12:cpu,cpuacct:/system.slice/x.service\n1:name=systemd:/a:b\n0::/\nbroken line\n"
+    assert parse_proc_cgroup(text) == [
+        ("12", "cpu,cpuacct", "/system.slice/x.service"),
+        ("1", "name=systemd", "/a:b"),  # a colon in a cgroup's name stays in its path
+        ("0", "", "/"),
+    ]

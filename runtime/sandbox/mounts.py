@@ -218,6 +218,8 @@ def make_read_only(path: str, mountinfo: str | None = None) -> None:
             return
         if ctypes.get_errno() != errno.ENOSYS:
             check(result, f"mount_setattr {path} read-only")
+    # Not through nodeagent.kernelfs: this runs in the forked child, where a failure must stay the
+    # OSError its step reports; nodeagent.procfmt parses the text.
     make_read_only_each(
         path, mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
     )
