@@ -30,8 +30,8 @@ from typing import NoReturn
 
 from nodeagent.libc import libc
 from nodeagent.runtime import sandbox
+from nodeagent.runtime.launch_request import LaunchRequest, joined_procs
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, read_oom_kills
-from nodeagent.runtime.request import LaunchRequest, joined_procs
 from nodeagent.runtime.sandbox.mounts import DEV_SHM, TMP
 
 CLONE_NEWNET = 0x40000000

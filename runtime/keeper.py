@@ -69,6 +69,7 @@ from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime import sandbox
 from nodeagent.runtime.custody import INDEX_DIR, IO_DIR, READ_SIZE, KeptWorker, WorkerCustody, log, unlink
 from nodeagent.runtime.enter import FAILED_MARK, Trace, enter_slot_and_exec, prepare_child, report_failure
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.logs import LogStream
 from nodeagent.runtime.process import (
     Custody,
@@ -76,7 +77,6 @@ from nodeagent.runtime.process import (
     WorkerState,
     process_start_time,
 )
-from nodeagent.runtime.request import LaunchRequest
 
 PR_SET_CHILD_SUBREAPER = 36
 #: Capacity of a worker's stdout/stderr FIFO: what a worker may write while no keeper reads

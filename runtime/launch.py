@@ -34,7 +34,7 @@ from pathlib import Path
 from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, thread_count, worker_environment, write_slot_file
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import Exposed, PrivateDir, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
 

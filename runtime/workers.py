@@ -55,9 +55,9 @@ from nodeagent.runtime.container import (
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.logs import LogLine, read_log
 from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, SlotCgroup, Supervisor, WorkerHandle
 from nodeagent.schema.worker import Probe, WorkerSpec

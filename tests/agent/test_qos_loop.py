@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nodeagent.agent.qos import RECENT_ACTIONS, QosLoop
+from nodeagent.agent.qos_loop import RECENT_ACTIONS, QosLoop
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.errors import CgroupError, NotFound, PlacementError
 from nodeagent.isolation.colocation import Action, ColocationConfig, Sample
