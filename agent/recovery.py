@@ -58,22 +58,24 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RecoveryDecision:
     #: busy slots no row names: rebuild these (RECOVER) ...
     rebuild: tuple[str, ...] = ()
     #: ... or let orphan removal take them (DISCARD; killing what runs there)
     discard: tuple[str, ...] = ()
 
 
-def decide(evidence: Evidence, known: Collection[str], mode: RecoveryMode, database: Path) -> Decision:
+def decide(
+    evidence: Evidence, known: Collection[str], mode: RecoveryMode, database: Path
+) -> RecoveryDecision:
     """What to do with busy slot cgroups the database does not name (``known``: every slot id it has)."""
     unexplained = tuple(sorted(slot for slot in evidence.busy if slot not in known))
     if not unexplained:
-        return Decision()
+        return RecoveryDecision()
     if mode is RecoveryMode.RECOVER:
-        return Decision(rebuild=unexplained)
+        return RecoveryDecision(rebuild=unexplained)
     if mode is RecoveryMode.DISCARD:
-        return Decision(discard=unexplained)
+        return RecoveryDecision(discard=unexplained)
     shown = ", ".join(f"{slot} ({len(evidence.busy[slot])} processes)" for slot in unexplained[:5])
     more = f" and {len(unexplained) - 5} more" if len(unexplained) > 5 else ""
     state = "is missing or empty" if not known else "does not name them"
@@ -170,9 +172,9 @@ def recovered_name(slot_id: str) -> str:
 
 
 __all__ = [
-    "Decision",
     "Evidence",
     "Manifests",
+    "RecoveryDecision",
     "RecoveryMode",
     "Slot",
     "UnexplainedSlots",
