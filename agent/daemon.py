@@ -55,10 +55,10 @@ from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIso
 from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.host import HostReport, validate_parts
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
 from nodeagent.isolation.qos import QosDefaults
-from nodeagent.isolation.slot import SlotIsolator
 from nodeagent.isolation.spec import IsolatorConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.container import PodmanConfig, default_runtime

@@ -38,9 +38,9 @@ from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
+from nodeagent.isolation.isolator import SlotIsolator, class_has_cpu_idle
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
 from nodeagent.kernelfs import Procfs
 from nodeagent.procfmt import IRQ, NICE, SOFTIRQ, STEAL, SYSTEM, USER, meminfo_bytes, parse_cpu_ticks
 from nodeagent.procfmt import parse_meminfo as meminfo_fields

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
 from nodeagent.errors import WorkerError
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.container import (
     CONTAINERS_CGROUP,

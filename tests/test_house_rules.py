@@ -80,10 +80,10 @@ def test_one_owner(rule: str) -> None:
     assert not hits, f"{rule}; found elsewhere:\n" + "\n".join(hits)
 
 
-#: Module names two folders still share (issue 23): each is a rename through 20-odd importers, left
-#: until the work on the slot's parts (issue 23, item 1) reshapes those modules anyway.
+#: Module names two folders still share (issue 23): the isolation spec and the sandbox spec, each
+#: imported where other work is under way (devices in the sandbox, the slot's parts); a rename left
+#: for after it.
 SHARED_NAMES = {
-    "slot.py": "agent/slot.py (the typed record) and isolation/slot.py (the isolator)",
     "spec.py": "isolation/spec.py and runtime/sandbox/spec.py",
 }
 

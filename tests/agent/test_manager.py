@@ -21,8 +21,8 @@ from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
 from nodeagent.isolation.backend import NoIsolation, OwnedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.network import SlotNetwork
-from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription

@@ -77,7 +77,7 @@ class FakeManager:
 
 
 def _applied(s: Slot) -> Any:
-    from nodeagent.isolation.slot import AppliedSlot
+    from nodeagent.isolation.isolator import AppliedSlot
 
     return AppliedSlot(s.id, s.qos, f"na.slice/{s.id}", "v1", (), None, F(), None, None, False, 0, ())
 

@@ -21,7 +21,7 @@ import pytest
 
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.state import StateStore
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.process import ExitRecord

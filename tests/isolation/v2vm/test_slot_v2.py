@@ -13,7 +13,7 @@ import pytest
 from nodeagent.cgroups import CgroupHost, bpf, open_manager
 from nodeagent.cgroups.detect import V2_CONTROLLERS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest
-from nodeagent.isolation.slot import SlotIsolator
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.spec import SlotIsolationSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
