@@ -106,9 +106,11 @@ class IsolationConfig:
     allow_unfiltered_network: bool = False
     pids_max: int = 4096  #: per-slot pids limit
     #: sandboxed slots without a network may not open connections to any local address (the
-    #: host's loopback and addresses, other slots' ports) except ``local_open_ports``
-    local_default_deny: bool = False
-    local_open_ports: tuple[str, ...] = ()  #: "PORT/tcp" or "PORT/udp" that local_default_deny leaves open
+    #: host's loopback and addresses, other slots' ports, slots with a network) but to listeners
+    #: of their own uid and ``local_open_ports`` (isolation/api_guard.py)
+    local_default_deny: bool = True
+    #: "PORT/tcp" or "PORT/udp" that local_default_deny leaves open; 53 for a resolver on 127.0.0.53
+    local_open_ports: tuple[str, ...] = ("53/udp", "53/tcp")
     #: keep every task the agent does not own, kernel threads and interrupts off exclusive CPUs:
     #: "auto" (when the agent runs as root and isolates slots) or "off"
     host_partitioning: str = "auto"

@@ -47,7 +47,7 @@ from nodeagent.agent.under_systemd import (
     take_stopped_workers,
 )
 from nodeagent.atomicfile import write_atomic
-from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
+from nodeagent.cgroups import CgroupHost, CgroupManager, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, NodeAgentError, translate_os_error
@@ -230,23 +230,33 @@ class SlotStats:
     """Per-slot cgroup statistics for the metrics scrape (None for a slot without a cgroup).
 
     The scrape hands over the slots it listed (``prepare``), so each slot's cgroup comes from that
-    one listing instead of a database lookup per slot; a slot it did not list is looked up.
+    one listing instead of a database lookup per slot; a slot it did not list is looked up. The
+    cgroup managers are kept from scrape to scrape (those of slots gone are dropped), so each
+    slot's directories are checked once, not at every scrape.
     """
 
     def __init__(self, manager: SlotManager) -> None:
         self._manager = manager
         self._host = detect()
         self._cgroups: dict[str, str | None] = {}
+        self._managers: dict[str, CgroupManager] = {}
 
     def prepare(self, slots: Sequence[Slot]) -> None:
         self._cgroups = {slot.id: slot.cgroup for slot in slots}
+        wanted = {cgroup for cgroup in self._cgroups.values() if cgroup is not None}
+        self._managers = {cgroup: kept for cgroup, kept in self._managers.items() if cgroup in wanted}
 
     def __call__(self, slot_id: str) -> CgroupStats | None:
         if not self._host.can_write:
             return None
         cgroups = self._cgroups
         cgroup = cgroups[slot_id] if slot_id in cgroups else self._manager.get_slot(slot_id).cgroup
-        return None if cgroup is None else open_manager(self._host, cgroup).stats()
+        if cgroup is None:
+            return None
+        manager = self._managers.get(cgroup)
+        if manager is None:
+            manager = self._managers[cgroup] = open_manager(self._host, cgroup)
+        return manager.stats()
 
 
 def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:
@@ -527,32 +537,37 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
 
 
 def _guard_api(config: AgentConfig) -> ApiGuard | None:
-    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and off every local
-    address with ``[isolation] local_default_deny`` (isolation/api_guard.py); where nftables is
-    missing the agent runs without the rules and says so."""
-    from nodeagent.isolation.api_guard import ApiGuard, table_name  # noqa: PLC0415
+    """Keep sandboxed slots off the TCP API unless ``[api] slots_may_connect``, and, with
+    ``[isolation] local_default_deny`` (the default), off every local address, every listener of
+    another uid and every slot with a network (isolation/api_guard.py); where nftables is missing
+    the agent runs without the rules and says so."""
+    from nodeagent.isolation.api_guard import ApiGuard, LocalDeny, table_name  # noqa: PLC0415
     from nodeagent.isolation.firewall import LibNftables  # noqa: PLC0415
 
     api_port = config.api.port if config.api.listen else None
-    local_deny = config.isolation.local_default_deny
-    if not config.sandbox.enabled or (not local_deny and (api_port is None or config.api.slots_may_connect)):
+    iso = config.isolation
+    if not config.sandbox.enabled or (
+        not iso.local_default_deny and (api_port is None or config.api.slots_may_connect)
+    ):
         return None
-    open_ports = tuple(
-        (protocol, int(number))
-        for number, _, protocol in (entry.partition("/") for entry in config.isolation.local_open_ports)
-    )
-    guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
+    local_deny = None
+    if iso.local_default_deny:
+        open_ports = tuple(
+            (protocol, int(number))
+            for number, _, protocol in (entry.partition("/") for entry in iso.local_open_ports)
+        )
+        local_deny = LocalDeny(open_ports=open_ports, network_cidr=iso.network_cidr)
+    guard = ApiGuard(LibNftables(), table_name(iso.firewall_table))
     try:
         guard.install(
             config.sandbox.uid_bounds(),
             api_port=api_port,
             api_open=config.api.slots_may_connect,
             local_deny=local_deny,
-            open_ports=open_ports,
         )
     except (NodeAgentError, OSError) as err:
         log.warning(
-            "sandboxed slots can connect to the API and local services: the firewall rules failed",
+            "sandboxed slots can reach the API, local services and each other: the firewall rules failed",
             extra={"error": str(err)},
         )
         return None

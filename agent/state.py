@@ -260,6 +260,13 @@ class StateStore:
         self._durable = True
         #: Events of the transaction under way, logged when it commits (:func:`_log_event`).
         self._told: list[tuple[str, str, str | None]] = []
+        #: Every slot as committed, by id: read from the database once, when it opens (outside
+        #: any transaction, so it never holds a write that may roll back), then kept
+        #: write-through. Reading 500 rows back and parsing their JSON and requests again cost
+        #: GET /v1/slots and /metrics most of their time. Writes of the transaction under way
+        #: wait in ``_staged`` (None: deleted) and reach it at COMMIT, never on a ROLLBACK.
+        self._slots: dict[str, Slot] = {}
+        self._staged: dict[str, Slot | None] = {}
         try:
             if ballast is not None:
                 ballast.spare_room()  # opening recreates the WAL and shared-memory files
@@ -276,6 +283,7 @@ class StateStore:
             self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self._migrate()
             self._recall_released_uids()
+            self._slots = _read_slots(self._db.execute(_SLOT_SELECT).fetchall(), path)
         except (sqlite3.Error, OSError) as err:
             raise StateError(
                 f"cannot open the state database {path}: {err}; check the state directory"
@@ -334,20 +342,28 @@ class StateStore:
                 raise self._write_error(err) from err
             self._depth = 1
             self._told = []
+            self._staged = {}
             try:
                 yield
             except BaseException:
                 self._depth = 0
+                self._staged = {}
                 if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
                     self._db.execute("ROLLBACK")
                 raise
             self._depth = 0
+            staged, self._staged = self._staged, {}
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error as err:
                 if self._db.in_transaction:  # a failed COMMIT may already have rolled back
                     self._db.execute("ROLLBACK")
                 raise self._write_error(err) from err
+            for slot_id, slot in staged.items():
+                if slot is None:
+                    self._slots.pop(slot_id, None)
+                else:
+                    self._slots[slot_id] = slot
             for event in self._told:  # what happened is logged once it is the record
                 _log_event(*event)
 
@@ -417,23 +433,31 @@ class StateStore:
 
     def insert_slot(self, slot: Slot) -> Slot:
         now = self._clock()
-        stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None, foreign_cpu=None)
-        self._write(_SLOT_INSERT, _slot_row(stored))
+        stored = _as_stored(dataclasses.replace(slot, created_at=now, updated_at=now))
+        with self.transaction():
+            self._write(_SLOT_INSERT, _slot_row(stored))
+            self._staged[stored.id] = stored
         self._keep_manifest(stored)
         return stored
 
     def update_slot(self, slot: Slot) -> Slot:
         """Write ``slot``'s request, assignment, state, reason and applied state; returns it as stored."""
-        changed = dataclasses.replace(slot, updated_at=self._clock(), worker=None, foreign_cpu=None)
+        changed = _as_stored(dataclasses.replace(slot, updated_at=self._clock()))
         row = dict(zip(_SLOT_COLUMNS, _slot_row(changed), strict=True))
         values = {k: row[k] for k in _UPDATED_SLOT_COLUMNS}
         assignments = ", ".join(f"{k} = :{k}" for k in values)
-        cursor = self._write(
-            f"UPDATE slots SET {assignments} WHERE id = :_id",  # noqa: S608
-            {**values, "_id": slot.id},
-        )
-        if cursor.rowcount != 1:
-            raise StateError(f"slot {slot.id!r} is not in the state database")
+        with self.transaction():
+            cursor = self._write(
+                f"UPDATE slots SET {assignments} WHERE id = :_id",  # noqa: S608
+                {**values, "_id": slot.id},
+            )
+            if cursor.rowcount != 1:
+                raise StateError(f"slot {slot.id!r} is not in the state database")
+            # As a read back would give it: created_at is never updated.
+            before = self._staged.get(slot.id) or self._slots.get(slot.id)
+            if before is not None:
+                changed = dataclasses.replace(changed, name=before.name, created_at=before.created_at)
+            self._staged[slot.id] = changed
         self._keep_manifest(changed)
         return changed
 
@@ -460,22 +484,35 @@ class StateStore:
                 (now, slot_id),
             )
             self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
+            self._staged[slot_id] = None
         if self.manifests is not None:
             if uid is not None:
                 self.manifests.note_released(uid, now)
             self.manifests.remove(slot_id)
 
+    def _visible(self) -> dict[str, Slot]:
+        """What a read sees: the committed slots, with the transaction under way's own writes
+        (only its thread reads while it runs: it holds the lock)."""
+        with self._lock:
+            slots = dict(self._slots)
+            for slot_id, slot in self._staged.items():
+                if slot is None:
+                    slots.pop(slot_id, None)
+                else:
+                    slots[slot_id] = slot
+            return slots
+
     def get_slot(self, slot_id: str) -> Slot | None:
-        rows = self._read(_SLOT_SELECT + " WHERE id = ?", (slot_id,))
-        return _slot_from_row(rows[0]) if rows else None
+        with self._lock:
+            if slot_id in self._staged:
+                return self._staged[slot_id]
+            return self._slots.get(slot_id)
 
     def find_slot(self, name: str) -> Slot | None:
-        rows = self._read(_SLOT_SELECT + " WHERE name = ?", (name,))
-        return _slot_from_row(rows[0]) if rows else None
+        return next((slot for slot in self._visible().values() if slot.name == name), None)
 
     def list_slots(self) -> list[Slot]:
-        rows = self._read(_SLOT_SELECT + " ORDER BY created_at, id")
-        return [_slot_from_row(r) for r in rows]
+        return sorted(self._visible().values(), key=lambda slot: (slot.created_at, slot.id))
 
     # --- workers ------------------------------------------------------------------------------
 
@@ -778,6 +815,26 @@ def slot_from_record(values: Mapping[str, Any]) -> Slot:
 def _slot_row(slot: Slot) -> tuple[Any, ...]:
     record = slot_record(slot)
     return tuple(_dump(record[c]) if c in _JSON_SLOT_COLUMNS else record[c] for c in _SLOT_COLUMNS)
+
+
+def _as_stored(slot: Slot) -> Slot:
+    """``slot`` as the database holds it: without what the service adds when it is read (worker
+    status, foreign CPU, uid, QoS actions, endpoints), which live elsewhere or are measured."""
+    return dataclasses.replace(
+        slot, worker=None, foreign_cpu=None, sandbox_uid=None, qos_actions=(), qos_evicted=False, endpoints=()
+    )
+
+
+def _read_slots(rows: Iterable[tuple[Any, ...]], path: Path) -> dict[str, Slot]:
+    slots: dict[str, Slot] = {}
+    for row in rows:
+        try:
+            slot = _slot_from_row(row)
+        except (ValueError, KeyError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+            problem = f"{row[0]!r}: {err}"
+            raise StateError(f"the state database {path} holds a slot it cannot read ({problem})") from err
+        slots[slot.id] = slot
+    return slots
 
 
 def _slot_from_row(row: tuple[Any, ...]) -> Slot:

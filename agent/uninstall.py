@@ -28,8 +28,9 @@ from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupHost, detect
 from nodeagent.devices.discovery import discover
 from nodeagent.errors import Conflict
+from nodeagent.isolation.api_guard import ApiGuard, table_name
 from nodeagent.isolation.backend import KernelIsolation
-from nodeagent.isolation.firewall import NftFirewall
+from nodeagent.isolation.firewall import LibNftables, NftFirewall
 from nodeagent.isolation.partitioning import describe, host_partitioner
 from nodeagent.runtime.keeper_client import stop_keeper
 
@@ -142,6 +143,10 @@ def uninstall(config: AgentConfig, *, release_slots: bool = False, purge: bool =
         )
         report.cgroup_parent = isolator.hierarchy.parent if parent_existed else None
         report.firewall_table = f"inet {table}" if had_table else None
+        guard = ApiGuard(LibNftables(), table_name(config.isolation.firewall_table))
+        if guard.installed():  # a crashed agent's rules for slots without a network
+            guard.remove()
+            report.kernel_objects.append(f"nftables table inet {guard.table}")
     report.released = ids
     forget_slots(config, [slot_id for slot_id, _ in slots])
     cdi = build_cdi(config, can_isolate=kernel is not None)

@@ -476,3 +476,8 @@ def test_uninstall_refuses_while_the_agent_runs_or_slots_exist_then_hands_the_ho
     restarted = daemon.start()
     assert restarted.get("/v1/slots").json()["slots"] == []  # the slot left the database too
     restarted.close()
+    # An agent that died leaves its rules for slots without a network: uninstall removes them.
+    daemon.kill()
+    after_crash = uninstall(daemon)
+    assert after_crash.returncode == 0, after_crash.stderr
+    assert f"removed nftables table inet {FIREWALL_TABLE}_host" in after_crash.stdout

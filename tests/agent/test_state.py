@@ -308,3 +308,48 @@ def test_the_ballast_is_given_up_before_a_write_on_a_full_disk_and_made_again_la
         assert ballast.held()
     finally:
         s.close()
+
+
+def test_the_slots_it_answers_from_memory_are_what_the_database_holds(tmp_path: Path) -> None:
+    """Slots are read from the database once and then kept write-through: after inserts, updates,
+    deletes, a rolled-back transaction and reads inside one, a store opened afresh on the same file
+    reads back exactly what the first one answers."""
+    path = tmp_path / "state.db"
+    store = StateStore(path)
+    try:
+        store.insert_slot(slot("s1", "a"))
+        store.insert_slot(slot("s2", "b"))
+        store.insert_slot(slot("s3", "c"))
+        store.update_slot(
+            dataclasses.replace(store.get_slot("s1"), state=SlotState.READY, applied=applied("s1"))
+        )
+        store.delete_slot("s2")
+
+        def rolled_back() -> None:
+            with store.transaction():
+                store.update_slot(dataclasses.replace(slot("s3", "c"), state=SlotState.FAILED, reason="x"))
+                store.delete_slot("s1")
+                # Inside the transaction its own writes are what it reads.
+                assert store.get_slot("s1") is None
+                assert store.find_slot("c").state == SlotState.FAILED
+                assert [s.id for s in store.list_slots()] == ["s3"]
+                raise RuntimeError("rolled back")
+
+        with pytest.raises(RuntimeError):
+            rolled_back()
+        with store.transaction():
+            store.insert_slot(slot("s4", "d"))
+        answered = store.list_slots()
+        assert [(s.id, s.state) for s in answered] == [
+            ("s1", SlotState.READY),
+            ("s3", SlotState.PENDING),
+            ("s4", SlotState.PENDING),
+        ]
+        again = StateStore(path)
+        try:
+            assert again.list_slots() == answered
+            assert again.find_slot("a") == store.find_slot("a")
+        finally:
+            again.close()
+    finally:
+        store.close()

@@ -7,12 +7,14 @@ an abstract socket of its own. Landlock's scope (runtime/sandbox/landlock.py) re
 two and allows the last; the same script run by the test outside every slot connects to all
 three, so a refusal means something.
 
-A real ``nodeagent serve`` then runs a slot whose worker connects to the agent's TCP API and to a
-host service on another loopback port: the API is out of reach (isolation/api_guard.py) and the
-other port is not; with ``[api] slots_may_connect = true`` both connect, and a clean stop leaves
-no rule behind. With ``[isolation] local_default_deny`` a host service on 127.0.0.1 and another
-slot's port are out of reach while a port in ``local_open_ports`` is not; the host itself still
-reaches both. Every socket, process and rule is the test's own and removed by it.
+A real ``nodeagent serve`` then runs a slot whose worker connects to the agent's TCP API, to a
+host service on another loopback port, to another slot's listener and to a listener of another
+process of its own slot. With ``[isolation] local_default_deny = false`` only the API is out of
+reach (isolation/api_guard.py), and with ``[api] slots_may_connect = true`` it is not; by default a
+host service on 127.0.0.1 and another slot's listener refuse it at once (the other slot's server
+never sees the connection) while a port in ``local_open_ports`` and its own listener connect; a
+clean stop leaves no rule behind; the host itself still reaches all of them. Every socket,
+process and rule is the test's own and removed by it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime.sandbox import landlock
 from nodeagent.schema.request import parse_slot_request
 from tests.daemon import HOST_OFF, DaemonProcess, wait_until
-from tests.escape.harness import VICTIM, config_for, free_port, tear_down
+from tests.escape.harness import config_for, free_port, tear_down
 from tests.workerpy import world_python
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -140,18 +142,54 @@ def test_another_slots_and_the_hosts_abstract_sockets_are_out_of_reach(
 
 
 CONNECTOR = """
-import json, socket, sys
+import json, socket, subprocess, sys
 
-def connect(port):
+def connect(port, host="127.0.0.1"):
     try:
-        with socket.create_connection(("127.0.0.1", int(port)), timeout=1.5):
+        with socket.create_connection((host, int(port)), timeout=1.5):
             return "connected"
     except OSError as err:
         return "timed out" if isinstance(err, TimeoutError) else f"refused: {err.strerror}"
 
+# Another process of this slot, listening on a port nobody assigned (as torch.distributed does).
+LISTEN = (
+    "import socket\\n"
+    "s = socket.create_server(('::', 0), family=socket.AF_INET6, dualstack_ipv6=True)\\n"
+    "print(s.getsockname()[1], flush=True)\\n"
+    "while True: s.accept()[0].close()\\n"
+)
+own = subprocess.Popen([sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True)
+own_port = own.stdout.readline().strip()
+def send(port):
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", int(port)))
+        return "sent"
+    except OSError as err:
+        return f"refused: {err.strerror}"
+
 names = ("api", "other", "opened", "slot")
-print(json.dumps({name: connect(port) for name, port in zip(names, sys.argv[1:])}), flush=True)
+verdicts = {name: connect(port) for name, port in zip(names, sys.argv[1:5])}
+if len(sys.argv) > 5:
+    verdicts["datagram"] = send(sys.argv[5])
+if len(sys.argv) > 6:
+    address, _, port = sys.argv[6].rpartition(":")
+    verdicts["network"] = connect(port, address)
+verdicts["own"] = connect(own_port)
+verdicts["own_ip6"] = connect(own_port, "::1")
+own.kill()
+print(json.dumps(verdicts), flush=True)
 """
+ACCEPTER = """
+import socket, sys
+server = socket.create_server(("0.0.0.0", int(sys.argv[1])))
+print("listening", flush=True)
+while True:
+    conn, peer = server.accept()
+    print("accepted", peer, flush=True)
+    conn.close()
+"""
+#: what the connector reports of its own slot's listener in every case
+OWN = {"own": "connected", "own_ip6": "connected"}
 API_PARENT = f"natest{os.getpid()}a.slice"
 API_TABLE = f"natest{os.getpid()}a"
 
@@ -189,9 +227,11 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
 
 
 def connections_from_a_slot(
-    daemon: DaemonProcess, *ports: int, client: httpx.Client | None = None
+    daemon: DaemonProcess, *ports: int | str, client: httpx.Client | None = None
 ) -> dict[str, str]:
-    """Run the connector in a slot of ``daemon`` (started here unless ``client`` is given)."""
+    """Run the connector in a slot of ``daemon`` (started here, and its client closed, unless
+    ``client`` is given)."""
+    started = client is None
     client = client or daemon.start()
     try:
         api_port = daemon.url.rsplit(":", 1)[1]
@@ -199,7 +239,10 @@ def connections_from_a_slot(
         assert client.post("/v1/slots", json=body).status_code == 201
 
         def verdicts() -> dict[str, str] | None:
-            lines = client.get("/v1/slots/connector/logs").json()["lines"]
+            answer = client.get("/v1/slots/connector/logs")
+            if answer.status_code == 404:  # the keeper makes the log once it takes the worker
+                return None
+            lines = answer.json()["lines"]
             found = [line[line.index("{") :] for line in lines if "{" in line]
             return json.loads(found[0]) if found else None
 
@@ -207,7 +250,8 @@ def connections_from_a_slot(
         assert client.delete("/v1/slots/connector").status_code in (200, 202, 204)
         return result
     finally:
-        client.close()
+        if started:
+            client.close()
 
 
 def test_a_slot_reaches_the_agents_tcp_api_only_where_configured(
@@ -216,53 +260,87 @@ def test_a_slot_reaches_the_agents_tcp_api_only_where_configured(
     other = socket.create_server(("127.0.0.1", 0))  # a host service: not the API
     try:
         other_port = other.getsockname()[1]
-        guarded = api_daemon("")
-        assert connections_from_a_slot(guarded, other_port) == {"api": "timed out", "other": "connected"}
+        guarded = api_daemon("local_default_deny = false\n")
+        verdicts = connections_from_a_slot(guarded, other_port)
+        assert verdicts == {"api": "timed out", "other": "connected", **OWN}, verdicts
         assert api_tables(), "the agent's rule is in the kernel while it runs"
         assert guarded.stop() == 0
         assert not api_tables(), "a clean stop removes the rule"
         # Configured open: the same worker connects.
-        opened = api_daemon("[api]\nslots_may_connect = true\n")
-        assert connections_from_a_slot(opened, other_port) == {"api": "connected", "other": "connected"}
+        opened = api_daemon("local_default_deny = false\n[api]\nslots_may_connect = true\n")
+        verdicts = connections_from_a_slot(opened, other_port)
+        assert verdicts == {"api": "connected", "other": "connected", **OWN}, verdicts
         assert not api_tables()
     finally:
         other.close()
 
 
-def test_local_default_deny_keeps_a_slot_off_host_services_but_what_it_opens(
+def _reaches(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_by_default_a_slot_reaches_its_own_listeners_and_opened_ports_only(
     api_daemon: Callable[[str], DaemonProcess],
 ) -> None:
-    """With ``[isolation] local_default_deny``, a host service on 127.0.0.1 is out of a slot's
-    reach, one listed in ``local_open_ports`` is not, and the API follows ``slots_may_connect``."""
+    """By default (``[isolation] local_default_deny``) a host service on 127.0.0.1 and another
+    slot's listener refuse a slot's connection at once, and the other slot's server never sees
+    it; a port in ``local_open_ports`` and the slot's own listeners (another process of the slot,
+    IPv4 and IPv6) connect; a datagram to a host port is not sent; the host reaches all of them."""
     other = socket.create_server(("127.0.0.1", 0))
     opened = socket.create_server(("127.0.0.1", 0))
+    datagrams = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
+        datagrams.bind(("127.0.0.1", 0))
+        datagrams.settimeout(0.5)
         other_port, opened_port = other.getsockname()[1], opened.getsockname()[1]
-        daemon = api_daemon(
-            f'local_default_deny = true\nlocal_open_ports = ["{opened_port}/tcp"]\n'
-            "[api]\nslots_may_connect = true\n"
-        )
+        daemon = api_daemon(f'local_open_ports = ["{opened_port}/tcp"]\n[api]\nslots_may_connect = true\n')
         # Another slot's worker listening on a port of its own.
         slot_port = free_port()
         client = daemon.start()
-        body = worker("victim", [world_python(), "-c", VICTIM, str(slot_port)])
+        body = worker("victim", [world_python(), "-c", ACCEPTER, str(slot_port)])
         assert client.post("/v1/slots", json=body).status_code == 201
-        wait_until(
-            "the victim slot's listener",
-            lambda: "listening" in str(client.get("/v1/slots/victim/logs").json()),
+
+        def victim_log() -> str:
+            answer = client.get("/v1/slots/victim/logs")
+            return "" if answer.status_code == 404 else "\n".join(answer.json()["lines"])
+
+        wait_until("the victim slot's listener", lambda: "listening" in victim_log())
+        # And a slot with a network of its own, listening in its namespace.
+        networked = worker("networked", [world_python(), "-c", ACCEPTER, str(slot_port)])
+        networked["resources"] = {**networked["resources"], "network": {}}  # type: ignore[dict-item]
+        created = client.post("/v1/slots", json=networked)
+        assert created.status_code == 201, created.text
+        slot_address = created.json()["network"]["slot_address"]
+        target = f"{slot_address}:{slot_port}"
+        # The host reaches it (before the slot tries, so that a refusal is the rule's).
+        wait_until("the networked slot's listener", lambda: _reaches(slot_address, slot_port))
+        verdicts = connections_from_a_slot(
+            daemon, other_port, opened_port, slot_port, datagrams.getsockname()[1], target, client=client
         )
-        verdicts = connections_from_a_slot(daemon, other_port, opened_port, slot_port, client=client)
         assert verdicts == {
             "api": "connected",
-            "other": "timed out",
+            "other": "refused: Connection refused",
             "opened": "connected",
-            "slot": "timed out",
-        }
-        socket.create_connection(("127.0.0.1", slot_port), timeout=5).close()  # from the host: it listens
-        # The host itself (root) still reaches the service: only the slots' uids are refused.
+            "slot": "refused: Connection refused",
+            "datagram": "refused: Operation not permitted",
+            "network": "refused: Connection refused",
+            **OWN,
+        }, verdicts
+        assert "accepted" not in victim_log(), "the other slot's server never saw the connection"
+        with pytest.raises(TimeoutError):
+            datagrams.recv(16)
+        # From the host: the victim listens and accepts; only the slots' uids are refused.
+        socket.create_connection(("127.0.0.1", slot_port), timeout=5).close()
+        wait_until("the host's connection at the victim", lambda: "accepted" in victim_log())
         socket.create_connection(("127.0.0.1", other_port), timeout=5).close()
+        client.close()
         assert daemon.stop() == 0
         assert not api_tables()
     finally:
         other.close()
         opened.close()
+        datagrams.close()

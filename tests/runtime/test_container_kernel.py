@@ -152,6 +152,30 @@ def test_a_container_worker_lives_in_its_slot_and_leaves_nothing(daemon: DaemonP
         check=True,
     )
     assert json.loads(described.stdout)["slot_id"] == slot_id  # the slot file, readable by the slot's uid
+    # The device opened as the slot's uid although the host's node may be root's 0600: the runtime
+    # made the container's node for the container's user; the host's node is unchanged.
+    host_node = os.stat(ALLOWED)
+    uid = int(
+        next(
+            line.split()[1]
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("Uid:")
+        )
+    )
+    inside = subprocess.run(
+        ["podman", "exec", container_name(slot_id), "ls", "-ln", ALLOWED],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert uid != 0
+    assert int(inside.stdout.split()[2]) == uid, inside.stdout
+    after = os.stat(ALLOWED)
+    assert (after.st_mode, after.st_uid, after.st_gid) == (
+        host_node.st_mode,
+        host_node.st_uid,
+        host_node.st_gid,
+    )
 
     # Its processes are in cgroups below the slot's, in every hierarchy, and on the slot's CPU.
     paths = cgroups_of(pid)
