@@ -59,7 +59,7 @@ from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
 from nodeagent.isolation.qos import QosDefaults
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient

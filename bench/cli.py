@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a 
 from nodeagent.cgroups import detect
 from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}cli.slice"

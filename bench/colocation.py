@@ -56,7 +56,7 @@ from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, 
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent

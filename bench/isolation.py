@@ -52,7 +52,7 @@ from nodeagent.isolation.host import PARTS, HostPartitioner
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import host_partitioner
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 SCENARIOS = ("alone", "no isolation", "isolated", "host noise", "host partitioned", "alone partitioned")

@@ -19,7 +19,7 @@ from typing import Protocol
 from nodeagent.cgroups import open_manager
 from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.isolator import AppliedSlot, OwnedSlot, SlotIsolator
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 
 class IsolationBackend(Protocol):

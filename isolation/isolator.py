@@ -78,7 +78,7 @@ from nodeagent.isolation.qos import (
     quota_us,
 )
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]

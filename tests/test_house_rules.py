@@ -80,12 +80,8 @@ def test_one_owner(rule: str) -> None:
     assert not hits, f"{rule}; found elsewhere:\n" + "\n".join(hits)
 
 
-#: Module names two folders still share (issue 23): the isolation spec and the sandbox spec, each
-#: imported where other work is under way (devices in the sandbox, the slot's parts); a rename left
-#: for after it.
-SHARED_NAMES = {
-    "spec.py": "isolation/spec.py and runtime/sandbox/spec.py",
-}
+#: Module names two folders may share, with why (none today: name each module for what it holds).
+SHARED_NAMES: dict[str, str] = {}
 
 
 def test_no_two_modules_share_a_name() -> None:

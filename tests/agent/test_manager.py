@@ -23,7 +23,7 @@ from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, Pl
 from nodeagent.isolation.backend import NoIsolation, OwnedSlot
 from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.network import SlotNetwork
-from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch_request import LaunchRequest

@@ -24,7 +24,7 @@ from nodeagent.isolation.colocation import Action, ColocationConfig, Decision, L
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.qos import quota_us
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 from ..cgroups.conftest import Child
 

@@ -31,7 +31,7 @@ from nodeagent.isolation.network import (
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
     F,

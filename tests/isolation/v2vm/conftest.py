@@ -19,7 +19,7 @@ from nodeagent.cgroups import CgroupHost, detect
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 
 from ...cgroups.conftest import Child
 

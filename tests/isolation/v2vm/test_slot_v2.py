@@ -14,7 +14,7 @@ from nodeagent.cgroups import CgroupHost, bpf, open_manager
 from nodeagent.cgroups.detect import V2_CONTROLLERS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest
 from nodeagent.isolation.isolator import SlotIsolator
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
     F,
