@@ -345,3 +345,25 @@ def test_exec_probes_run_inside_and_stopping_is_graceful(daemon: DaemonProcess, 
     assert "got-term" in client.get("/v1/slots/graceful/logs").json()["lines"]
     assert client.delete("/v1/slots/graceful").status_code == 204
     client.close()
+
+
+def test_a_container_of_a_slot_nobody_knows_is_removed_at_start(daemon: DaemonProcess, image: str) -> None:
+    """A worker directory left by a slot that is in no record (a crash between its removal from the
+    database and its directory's) is reaped at start; its container, if podman still holds one, goes
+    with it, found by asking podman once, not by a file beside the worker."""
+    leftover = "s0123456789ab"
+    name = container_name(leftover)
+    subprocess.run(["podman", "create", "--name", name, image, "true"], capture_output=True, check=True)
+    try:
+        (daemon.state / "workers" / leftover).mkdir(parents=True)
+        daemon.start().close()
+        listed = subprocess.run(
+            ["podman", "ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert listed.stdout.strip() == ""
+        assert not (daemon.state / "workers" / leftover).exists()
+    finally:
+        subprocess.run(["podman", "rm", "--force", "--ignore", name], capture_output=True, check=False)
