@@ -86,7 +86,7 @@ from nodeagent.errors import (
     PlacementError,
     Unsupported,
 )
-from nodeagent.schema.errors import describe_errors
+from nodeagent.schema.messages import describe_errors
 from nodeagent.schema.request import NAME_PATTERN, Resize, SlotRequest
 from nodeagent.schema.worker import WorkerSpec
 

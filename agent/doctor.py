@@ -29,6 +29,7 @@ from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
 from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.procfmt import meminfo_bytes, parse_meminfo
 from nodeagent.runtime.podman_facts import PodmanFacts, podman_facts
 
 Status = Literal["OK", "WARN", "FAIL"]
@@ -660,12 +661,8 @@ def agent_checks(node: Mapping[str, Any], slots: Sequence[Mapping[str, Any]]) ->
 
 
 def _meminfo_kib(text: str | None, key: str) -> int | None:
-    for line in (text or "").splitlines():
-        fields = line.replace(":", " ").split()
-        # /proc/meminfo: "MemTotal: N kB"; node*/meminfo: "Node 0 MemTotal: N kB"
-        if key in fields and fields.index(key) + 1 < len(fields) and fields[fields.index(key) + 1].isdigit():
-            return int(fields[fields.index(key) + 1])
-    return None
+    size = meminfo_bytes(parse_meminfo(text or "").get(key))
+    return None if size is None else size // 1024
 
 
 def check_numa_memory(roots: HostRoots) -> Check:

@@ -55,12 +55,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths, taken_by_host
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
+from nodeagent.agent.slot_cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
 from nodeagent.agent.worker_logs import worker_log_entries
@@ -157,7 +157,7 @@ class SlotManager:
         ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
-        each slot's CDI spec is kept (agent.cdi), None for no specs."""
+        each slot's CDI spec is kept (agent.slot_cdi), None for no specs."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -193,7 +193,7 @@ class SlotManager:
         return self._isolation
 
     def attach_qos(self, view: QosView | None) -> None:
-        """Let the QoS loop (agent.qos) add its view to slots and capacity and bound best-effort
+        """Let the QoS loop (agent.qos_loop) add its view to slots and capacity and bound best-effort
         admission; None detaches it."""
         self._qos = view
 

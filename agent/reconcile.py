@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.agent.cdi import try_cdi
 from nodeagent.agent.recovery import Evidence, decide
 from nodeagent.agent.slot import Slot, SlotState
+from nodeagent.agent.slot_cdi import try_cdi
 from nodeagent.agent.state import ports_from_record, slot_from_record, worker_from_record
 from nodeagent.agent.translate import slot_from_kernel
 from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, WorkerError

@@ -36,17 +36,20 @@ from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, op
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
-from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
+from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
+from nodeagent.isolation.isolator import SlotIsolator, class_has_cpu_idle
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
+from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import IRQ, NICE, SOFTIRQ, STEAL, SYSTEM, USER, meminfo_bytes, parse_cpu_ticks
+from nodeagent.procfmt import parse_meminfo as meminfo_fields
 
 log = logging.getLogger(__name__)
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: /proc/stat cpuN fields counted as busy: user nice system (idle iowait) irq softirq steal.
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_BUSY_FIELDS = (USER, NICE, SYSTEM, IRQ, SOFTIRQ, STEAL)
 
 
 # --------------------------------------------------------------------------- /proc readers
@@ -56,29 +59,20 @@ def parse_proc_stat(text: str) -> dict[int, int]:
     """Cumulative busy time per CPU in nanoseconds from /proc/stat (guest time is already in user;
     steal counts as busy: time the hypervisor took is not ours to give to best-effort)."""
     busy: dict[int, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu":
-            continue
-        suffix = name[3:]
-        if not suffix.isdigit():
-            continue
-        values = [int(v) for v in rest.split()]
+    for cpu, values in parse_cpu_ticks(text).items():
         ticks = sum(values[i] for i in _BUSY_FIELDS if i < len(values))
-        busy[int(suffix)] = ticks * (1_000_000_000 // _CLOCK_TICKS)
+        busy[cpu] = ticks * (1_000_000_000 // _CLOCK_TICKS)
     return busy
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes; ValueError when either is missing."""
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            found[key] = int(rest.split()[0]) * 1024
-    if len(found) != 2:
-        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {sorted(found)})")
-    return found["MemTotal"], found["MemAvailable"]
+    info = meminfo_fields(text)
+    total, available = meminfo_bytes(info.get("MemTotal")), meminfo_bytes(info.get("MemAvailable"))
+    if total is None or available is None:
+        found = sorted(k for k in ("MemTotal", "MemAvailable") if meminfo_bytes(info.get(k)) is not None)
+        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {found})")
+    return total, available
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -115,6 +109,7 @@ class Sampler:
         self.allowed = allowed
         self.core_of = dict(core_of)
         self.proc_root = proc_root
+        self._procfs = Procfs(proc_root)
         self._v2 = host.mode == "v2" and host.v2_mount is not None
         self._cpu_mount: Path | None
         self._memory_mount: Path | None
@@ -224,11 +219,13 @@ class Sampler:
         )
 
     def _read_proc(self, name: str) -> str:
-        path = self.proc_root / name
         try:
-            return path.read_text()
-        except OSError as err:
-            raise translate_os_error(f"reading {path}", err, CgroupError) from err
+            text = self._procfs.read_text(name)
+        except DiscoveryError as err:
+            raise CgroupError(str(err), errno_=err.errno) from err
+        if text is None:
+            raise CgroupError(f"reading {self.proc_root / name}: no such file; is procfs mounted there?")
+        return text
 
     @staticmethod
     def _read_int(mount: Path | None, relpath: str, name: str) -> int | None:

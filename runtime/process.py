@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import WorkerError
+from nodeagent.kernelfs import Procfs
 
 STATE_FILE = "worker.json"
 STATE_SCHEMA = "nodeagent.worker-state/v1"
@@ -184,23 +186,9 @@ def write_state(run_dir: Path, state: WorkerState, *, durable: bool = True) -> N
     it takes custody of a worker need not be: after a host crash that worker is gone anyway, and
     the previous record (or none) leads to the same verdict, so two fsyncs stay off the launch's
     heels."""
-    path = run_dir / STATE_FILE
-    tmp = run_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, json.dumps(state.to_json(), sort_keys=True).encode())
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if not durable:
-        return
-    directory = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)  # the rename itself
-    finally:
-        os.close(directory)
+    write_atomic(
+        run_dir / STATE_FILE, json.dumps(state.to_json(), sort_keys=True), mode=0o644, durable=durable
+    )
 
 
 def read_state(run_dir: Path) -> WorkerState | None:
@@ -222,9 +210,8 @@ def read_state(run_dir: Path) -> WorkerState | None:
 
 def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """Field 22 of /proc/<pid>/stat, or None when no such process exists."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    text = Procfs(proc).read_text(f"{pid}/stat")
+    if text is None:
         return None
     # comm (field 2) may hold spaces and parentheses; the fields after its last ')' are fixed.
     fields = text[text.rindex(")") + 2 :].split()

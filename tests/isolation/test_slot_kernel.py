@@ -20,6 +20,7 @@ from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, detect, open_
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator, slot_resources
 from nodeagent.isolation.network import (
     HostPort,
     SlotAccess,
@@ -30,8 +31,7 @@ from nodeagent.isolation.network import (
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
     F,

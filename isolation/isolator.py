@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -44,7 +43,15 @@ from nodeagent.cgroups import (
 )
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.devices.cpu import discover_cpu_topology
-from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
+from nodeagent.errors import (
+    CgroupError,
+    Conflict,
+    DiscoveryError,
+    InvalidRequest,
+    NetworkError,
+    NotFound,
+    Unsupported,
+)
 from nodeagent.isolation.cpus import CpuLayout, SharedPool
 from nodeagent.isolation.devices import slot_device_rules
 from nodeagent.isolation.firewall import NftFirewall
@@ -71,7 +78,7 @@ from nodeagent.isolation.qos import (
     quota_us,
 )
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]
@@ -678,8 +685,8 @@ def _set_io_weight(manager: CgroupManager, weight: int) -> None:
 
 def _interface_names() -> list[str]:
     try:
-        return os.listdir("/sys/class/net")
-    except OSError:
+        return Sysfs().listdir("class/net") or []
+    except DiscoveryError:
         return []
 
 
