@@ -55,12 +55,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
+from nodeagent.agent.parts import CdiPart, IdentityPart, PortsPart
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
-from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths, taken_by_host
+from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
-from nodeagent.agent.slot_cdi import SlotCdiSpecs, check_container, try_cdi
+from nodeagent.agent.slot_cdi import SlotCdiSpecs
 from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
 from nodeagent.agent.worker_logs import worker_log_entries
@@ -86,8 +87,8 @@ from nodeagent.placement import (
 )
 from nodeagent.runtime.limits import RlimitCeilings, host_ceilings
 from nodeagent.runtime.logs import LogLine
-from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
-from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted_ports
+from nodeagent.runtime.ports import in_use_on_host
+from nodeagent.runtime.presets import FindProgram, bind_address, resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.worker_kind import kind_of, slot_kind
@@ -168,9 +169,9 @@ class SlotManager:
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
-        self._cdi = cdi
-        self._port_range = port_range
-        self._port_in_use = port_in_use
+        self._cdi = CdiPart(cdi, store, topology, self._shared_pool)
+        self._ports = PortsPart(store, port_range, port_in_use)
+        self._identity = IdentityPart(store, sandbox)
         self._find_program = find_program
         self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
         self._host_memory = sum(node.memory_bytes or 0 for node in topology.numa_nodes)
@@ -186,6 +187,21 @@ class SlotManager:
         self._held = Allocated()
         self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
+
+    @property
+    def ports(self) -> PortsPart:
+        """The slots' host ports (agent/parts.py)."""
+        return self._ports
+
+    @property
+    def cdi(self) -> CdiPart:
+        """The slots' CDI specs (agent/parts.py)."""
+        return self._cdi
+
+    @property
+    def identity(self) -> IdentityPart:
+        """The slots' own uids for their sandboxed workers (agent/parts.py)."""
+        return self._identity
 
     @property
     def isolation(self) -> IsolationBackend:
@@ -328,7 +344,7 @@ class SlotManager:
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
                 self._sandbox.check_arguments(resolved)
-            check_container(self._cdi, req.worker)
+            self._cdi.check(req.worker)
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -375,7 +391,7 @@ class SlotManager:
                 if req.worker is not None:
                     # In the same commit: a port that is taken refuses the allocate before anything
                     # is placed or built, and the slot never exists without the ports it was told.
-                    self._assign_ports(slot.id, req.worker)
+                    self._ports.reserve(slot.id, req.worker)
             self._ledger = self._ledger.add(assignment)
             try:
                 return self._finish_allocate(slot, req)
@@ -433,7 +449,7 @@ class SlotManager:
             with contextlib.suppress(NodeAgentError):
                 self._isolation.release(slot.id)
             raise
-        self._write_cdi(ready, worker)
+        self._cdi.apply(ready, worker)
         return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
@@ -454,8 +470,7 @@ class SlotManager:
         if slot.holding and slot.assignment is not None:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
-        if self._cdi is not None:
-            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
+        self._cdi.release(slot.id)
         failed = dataclasses.replace(slot, state=SlotState.FAILED, reason=reason, applied=None)
         self._store.update_slot(failed)
         self._store.add_event("failed", f"slot {slot.name!r}: {reason}", slot.id)
@@ -498,7 +513,7 @@ class SlotManager:
                     "resized slot's kernel state not stored", extra={"slot": slot.id, "reason": str(err)}
                 )
             self._store.add_event("resize", f"slot {slot.name!r} now {_describe(new)}", slot.id)
-            self._write_cdi(resized)
+            self._cdi.apply(resized)
         self._notify()
         return self._view(resized)
 
@@ -520,8 +535,7 @@ class SlotManager:
 
     def _finish_release(self, slot: Slot) -> None:
         self._isolation.release(slot.id)
-        if self._cdi is not None:
-            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
+        self._cdi.release(slot.id)
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
                 self._ledger = self._ledger.remove(slot.assignment)
@@ -604,7 +618,7 @@ class SlotManager:
             if self._sandbox is not None:
                 self._sandbox.check(body)
                 self._sandbox.check_arguments(resolved)
-            check_container(self._cdi, body)
+            self._cdi.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             if not kind_of(body).runs_in(slot_kind(slot.request)):
@@ -622,9 +636,9 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
             with self._store.transaction():
-                self._assign_ports(slot.id, body)
+                self._ports.reserve(slot.id, body)
                 self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
-            self._write_cdi(slot, body)  # the worker's env may override the slot's wiring
+            self._cdi.apply(slot, body)  # the worker's env may override the slot's wiring
             self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
@@ -697,7 +711,7 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
-        ports = self._assign_ports(slot.id, spec)
+        ports = self._ports.reserve(slot.id, spec)
         resolved = resolve(
             spec,
             {p.name: p.port for p in ports},
@@ -705,24 +719,12 @@ class SlotManager:
             listen_on=bind_address(own_network=slot.network is not None),
         )
         sandbox = None
-        if self._sandbox is not None and self._sandbox.active:
-            # The slot's own uid, kept in the database while the slot exists (freed with its row).
-            uid = self._store.sandbox_uid(
-                slot.id,
-                *self._sandbox.config.uid_bounds(),
-                taken_by_host,
-                self._sandbox.config.uid_quarantine_seconds,
-            )
+        uid = self._identity.reserve(slot.id)  # kept while the slot exists (freed with its row)
+        if self._sandbox is not None and uid is not None:
             isolated = isolation_spec(slot, self._topology)
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
         return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
-
-    def _assign_ports(self, slot_id: str, spec: WorkerSpec) -> list[SlotPort]:
-        """The slot's host ports for ``spec``'s named ports (its preset's and its own), recorded;
-        those it holds already are kept. Conflict when a port asked for is taken."""
-        first, last = self._port_range
-        return self._store.assign_ports(slot_id, wanted_ports(spec), first, last, self._port_in_use)
 
     # ------------------------------------------------------------------ supervision
 
@@ -755,23 +757,9 @@ class SlotManager:
         """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
         return reconcile(self, restart_workers=restart_workers)
 
-    def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
-        if self._cdi is None or slot.assignment is None:
-            return
-        if worker is None:
-            stored = self._store.get_worker(slot.id)
-            worker = stored.spec if stored is not None else slot.request.worker
-        env = dict(worker.env) if worker is not None else {}
-        try_cdi("written", slot.id, self._cdi.write, slot, self._topology, self._shared_pool(), env)
-
     def cdi_spec(self, slot_id: str) -> dict[str, Any]:
         """The slot's CDI spec as written (``nodeagent slots cdi NAME``)."""
-        slot = self._slot(slot_id)
-        if self._cdi is None:
-            raise Unsupported(
-                "this agent writes no CDI specs ([cdi] enabled = false, or slots are not isolated here)"
-            )
-        return self._cdi.written(slot)
+        return self._cdi.view(self._slot(slot_id))
 
     # ------------------------------------------------------------------ helpers
 
@@ -804,24 +792,14 @@ class SlotManager:
         else:
             stored = self._store.get_worker(slot.id)
             status = None if stored is None else stored.status
-        uid = (
-            self._store.get_sandbox_uid(slot.id)
-            if self._sandbox is not None and self._sandbox.active
-            else None
-        )
         foreign = self._foreign_cpu(slot)
-        network = slot.network
-        address = str(network.slot_address) if network is not None else "127.0.0.1"
-        endpoints = tuple(
-            Endpoint(p.name, p.protocol, address, p.port) for p in self._store.slot_ports(slot.id)
-        )
         actions, evicted = self._qos.slot_view(slot.id) if self._qos is not None else ((), False)
         return dataclasses.replace(
             slot,
             worker=status,
             foreign_cpu=foreign,
-            sandbox_uid=uid,
-            endpoints=endpoints,
+            sandbox_uid=self._identity.view(slot),
+            endpoints=self._ports.view(slot),
             qos_actions=actions,
             qos_evicted=evicted,
         )
