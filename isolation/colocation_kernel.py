@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, open_manager
+from nodeagent.cgroups import CgroupHost, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
@@ -283,12 +283,19 @@ class Actuator:
         if kind in ("cpu_suppress", "cpu_release"):
             self.isolator.limit_best_effort(action.cpus, action.quota_cpus)
         elif kind == "slot_cpu_quota":
+            # The isolator owns the slot's cgroup: it writes the loop's limit and keeps it at resizes.
+            assert action.slot_id is not None
             period = self.isolator.config.qos.cfs_period_us
-            quota = UNLIMITED if action.quota_cpus is None else quota_us(action.quota_cpus, period)
-            self._set_slot(action, CgroupLimits(cpu_quota_us=quota, cpu_period_us=period))
-        elif kind in ("memory_throttle", "memory_unthrottle"):
-            high = UNLIMITED if action.memory_high is None else action.memory_high
-            self._set_slot(action, CgroupLimits(memory_high=high))
+            quota = None if action.quota_cpus is None else quota_us(action.quota_cpus, period)
+            self.isolator.hold_best_effort_slot(action.slot_id, cpu_quota_us=quota)
+        elif kind == "memory_throttle":
+            assert action.slot_id is not None
+            self.isolator.hold_best_effort_slot(action.slot_id, memory_high=action.memory_high)
+        elif kind == "memory_unthrottle":
+            assert action.slot_id is not None
+            self.isolator.hold_best_effort_slot(
+                action.slot_id, memory_high=None, own_memory_high=action.memory_high
+            )
         else:
             raise AssertionError(f"the agent carries out {kind}, not the actuator")
 
@@ -299,17 +306,6 @@ class Actuator:
     def release(self) -> None:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
-
-    def _set_slot(self, action: Action, resources: CgroupLimits) -> None:
-        assert action.slot_id is not None
-        manager = open_manager(self.host, self.hierarchy.slot_path(action.slot_id, "best-effort"))
-        try:
-            manager.set(resources)
-        except CgroupError as err:
-            if err.errno not in (errno.ENOENT, errno.ENODEV):
-                raise
-
-    # -- best-effort processes --------------------------------------------------------------
 
     def prepare_resctrl(self) -> str | None:
         """Create (or mend) best-effort's shared resctrl group; None where the host has none."""
