@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.parts import CdiPart, IdentityPart, PortsPart
+from nodeagent.agent.parts import CdiPart, IdentityPart, LedgerPart, PortsPart
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths
@@ -78,7 +78,6 @@ from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
-    Allocated,
     Assignment,
     PlacementOptions,
     capacity,
@@ -183,8 +182,7 @@ class SlotManager:
         self._subscribers: list[Callable[[], None]] = []
         self._ready = False
         self._host = host
-        self._host_ready = False  # set once reconcile knows which exclusive CPUs the slots hold
-        self._held = Allocated()
+        self._ledger = LedgerPart(host)
         self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
 
@@ -192,6 +190,11 @@ class SlotManager:
     def ports(self) -> PortsPart:
         """The slots' host ports (agent/parts.py)."""
         return self._ports
+
+    @property
+    def ledger(self) -> LedgerPart:
+        """What the slots hold, and the host partitioning that follows it (agent/parts.py)."""
+        return self._ledger
 
     @property
     def cdi(self) -> CdiPart:
@@ -214,21 +217,6 @@ class SlotManager:
         self._qos = view
 
     # ------------------------------------------------------------------ the ledger
-
-    @property
-    def _ledger(self) -> Allocated:
-        return self._held
-
-    @_ledger.setter
-    def _ledger(self, ledger: Allocated) -> None:
-        # The one place host partitioning is wired in: every change of what slots hold goes through
-        # here, and the host follows when the exclusive CPUs change. Allocate and resize change the
-        # ledger before isolation gives a slot its CPUs, release after the slot is gone, so the host
-        # is confined before a worker can run there and put back only once nothing runs there.
-        changed = ledger.cpus != self._held.cpus
-        self._held = ledger
-        if changed and self._host is not None and self._host_ready:
-            self._host.partition(ledger.cpus)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -256,7 +244,7 @@ class SlotManager:
         start takes over the record); with none left it is put back."""
         self._loop.close()
         if self._host is not None:
-            self._host.close(exclusive_held=bool(self._ledger.cpus))
+            self._host.close(exclusive_held=bool(self._ledger.held.cpus))
         self._runtime.close()
         self._store.close()
 
@@ -283,7 +271,7 @@ class SlotManager:
 
     def capacity(self) -> dict[str, Any]:
         with self._lock:
-            body = capacity(self._topology, self._ledger, self._options).to_dict()
+            body = capacity(self._topology, self._ledger.held, self._options).to_dict()
             slots = self._store.list_slots()
         counts: dict[str, int] = {str(s): 0 for s in SlotState}
         for slot in slots:
@@ -366,13 +354,15 @@ class SlotManager:
                 else:
                     return AllocateResult(self._view(existing), created=False)
             if self._qos is not None and req.qos == "best-effort":
-                held = self._ledger
+                held = self._ledger.held
                 self._qos.admit(
                     req,
                     held.quota_millis.get("best-effort", 0) / 1000,
                     held.memory_by_qos.get("best-effort", 0),
                 )
-            assignment = plan(self._topology, self._ledger, req, self._options, irq_load=self._irq_load())
+            assignment = plan(
+                self._topology, self._ledger.held, req, self._options, irq_load=self._irq_load()
+            )
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
             with self._store.transaction(durable=False):
@@ -392,7 +382,7 @@ class SlotManager:
                     # In the same commit: a port that is taken refuses the allocate before anything
                     # is placed or built, and the slot never exists without the ports it was told.
                     self._ports.reserve(slot.id, req.worker)
-            self._ledger = self._ledger.add(assignment)
+            self._ledger.set(self._ledger.held.add(assignment))
             try:
                 return self._finish_allocate(slot, req)
             except NodeAgentError as err:
@@ -469,7 +459,7 @@ class SlotManager:
             return
         if slot.holding and slot.assignment is not None:
             with contextlib.suppress(Conflict):
-                self._ledger = self._ledger.remove(slot.assignment)
+                self._ledger.set(self._ledger.held.remove(slot.assignment))
         self._cdi.release(slot.id)
         failed = dataclasses.replace(slot, state=SlotState.FAILED, reason=reason, applied=None)
         self._store.update_slot(failed)
@@ -491,14 +481,14 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; only ready or running slots resize")
             new_request = apply_patch(slot.request, patch)
             old = assignment_of(slot)
-            without = self._ledger.remove(old)
+            without = self._ledger.held.remove(old)
             new = plan(self._topology, without, new_request, self._options, irq_load=self._irq_load())
             resized = self._store.update_slot(dataclasses.replace(slot, request=new_request, assignment=new))
-            self._ledger = without.add(new)
+            self._ledger.set(without.add(new))
             try:
                 applied = self._isolation.apply(isolation_spec(resized, self._topology))
             except NodeAgentError:
-                self._ledger = self._ledger.remove(new).add(old)
+                self._ledger.set(self._ledger.held.remove(new).add(old))
                 self._store.update_slot(slot)
                 with contextlib.suppress(NodeAgentError):
                     self._isolation.apply(isolation_spec(slot, self._topology))
@@ -538,7 +528,7 @@ class SlotManager:
         self._cdi.release(slot.id)
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
-                self._ledger = self._ledger.remove(slot.assignment)
+                self._ledger.set(self._ledger.held.remove(slot.assignment))
         with self._store.transaction():
             self._store.delete_slot(slot.id)
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
@@ -771,7 +761,7 @@ class SlotManager:
 
     def _shared_pool(self) -> frozenset[int]:
         usable = placement_index(self._topology).usable(self._options)
-        pool = usable.pool_base & ~self._ledger.cpu_mask
+        pool = usable.pool_base & ~self._ledger.held.cpu_mask
         return frozenset(i for i in range(pool.bit_length()) if pool >> i & 1)
 
     def _irq_load(self) -> Mapping[int, int] | None:

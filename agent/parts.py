@@ -10,6 +10,8 @@ these methods, never the store's tables of the resource.
   kept while the slot exists and quarantined after it; given back to a slot rebuilt after a lost
   database, or its worker ended.
 - :class:`CdiPart`: the slot's CDI spec (agent/slot_cdi.py), written, removed and reconciled.
+- :class:`LedgerPart`: what the slots hold of the host (placement's ledger), and the host
+  partitioning that follows its exclusive CPUs.
 
 Ports and uids go with the slot's row (the store deletes them with it), so releasing needs no
 step here.
@@ -30,7 +32,9 @@ from nodeagent.agent.slot_cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.state import StateStore, ports_from_record
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, NodeAgentError, Unsupported
+from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.kernelfs import Procfs
+from nodeagent.placement import Allocated
 from nodeagent.runtime.ports import Endpoint, SlotPort
 from nodeagent.runtime.presets import wanted_ports
 from nodeagent.schema.worker import WorkerSpec
@@ -199,4 +203,38 @@ class CdiPart:
         return self._specs.written(slot)
 
 
-__all__ = ["CdiPart", "IdentityPart", "PortsPart", "process_uid"]
+class LedgerPart:
+    """What the slots hold of the host (placement's ledger), and the host partitioning that follows
+    its exclusive CPUs: every change of what slots hold goes through :meth:`set`, and the host is
+    confined or put back when the exclusive CPUs change. Allocate and resize change the ledger
+    before isolation gives a slot its CPUs, release after the slot is gone, so the host is confined
+    before a worker can run there and put back only once nothing runs there. Start-up
+    (agent/reconcile.py) holds the host still (:meth:`hold_host`) until it knows which exclusive
+    CPUs the slots hold, then makes the host match them in one pass (:meth:`follow`)."""
+
+    def __init__(self, host: HostPartitioning | None) -> None:
+        self._host = host
+        self._held = Allocated()
+        self._following = False
+
+    @property
+    def held(self) -> Allocated:
+        return self._held
+
+    def set(self, ledger: Allocated) -> None:
+        changed = ledger.cpus != self._held.cpus
+        self._held = ledger
+        if changed and self._host is not None and self._following:
+            self._host.partition(ledger.cpus)
+
+    def hold_host(self) -> None:
+        self._following = False
+
+    def follow(self) -> None:
+        """From now on the host follows the ledger; made to match it now."""
+        self._following = True
+        if self._host is not None:
+            self._host.partition(self._held.cpus)
+
+
+__all__ = ["CdiPart", "IdentityPart", "LedgerPart", "PortsPart", "process_uid"]

@@ -64,7 +64,7 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
     report = ReconcileReport()
     with manager._lock:
         manager._ready = False
-        manager._host_ready = False
+        manager.ledger.hold_host()
         isolated = manager._isolation.isolates
         if isolated:
             _account_for_busy_slots(manager, report)
@@ -73,12 +73,10 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             known = {s.id for s in manager._store.list_slots() if s.holding}
             report.orphans_removed += manager._isolation.remove_orphans(known)
             manager._isolation.prepare()
-        manager._ledger = _build_ledger(manager, report)
+        manager.ledger.set(_build_ledger(manager, report))
         # After a crash the record on disk says what the last agent changed; the slots that
         # exist now say what must stay confined: the host is made to match them, in one pass.
-        manager._host_ready = True
-        if manager._host is not None:
-            manager._host.partition(manager._ledger.cpus)
+        manager.ledger.follow()
         for slot in manager._store.list_slots():
             if slot.state == SlotState.RELEASING:
                 manager._finish_release(slot)
@@ -157,7 +155,7 @@ def _build_ledger(manager: SlotManager, report: ReconcileReport) -> Allocated:
             ledger = ledger.add(slot.assignment)
         except (Conflict, InvalidRequest) as err:
             # Cannot happen through this manager; if the database says so anyway, the later slot yields.
-            manager._ledger = ledger
+            manager.ledger.set(ledger)
             manager._fail(dataclasses.replace(slot, state=SlotState.FAILED), f"on start: {err}")
             report.failed.append(slot.name)
     return ledger
