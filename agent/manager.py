@@ -64,7 +64,7 @@ from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.slot_cdi import SlotCdiSpecs
 from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
-from nodeagent.agent.worker_logs import worker_log_entries
+from nodeagent.agent.worker_logs import WorkerLogs
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -174,7 +174,12 @@ class SlotManager:
         self._find_program = find_program
         self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
         self._host_memory = sum(node.memory_bytes or 0 for node in topology.numa_nodes)
-        self._log_retention = log_retention_seconds
+        self._logs = WorkerLogs(
+            runtime,
+            lambda key: self._view(self._slot(key)),
+            retention_seconds=log_retention_seconds,
+            clock=clock,
+        )
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -190,6 +195,11 @@ class SlotManager:
     def ports(self) -> PortsPart:
         """The slots' host ports (agent/parts.py)."""
         return self._ports
+
+    @property
+    def worker_logs(self) -> WorkerLogs:
+        """Workers' output, and what released slots left (agent/worker_logs.py)."""
+        return self._logs
 
     @property
     def ledger(self) -> LedgerPart:
@@ -302,11 +312,7 @@ class SlotManager:
 
     def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
         """The slot's id and its worker's last ``lines`` lines (agent/worker_logs.py)."""
-        return worker_log_entries(self, slot_id, lines, since)
-
-    def _prune_logs(self) -> None:
-        with contextlib.suppress(OSError):
-            self._runtime.prune_released(self._clock() - self._log_retention)
+        return self._logs.entries(slot_id, lines, since)
 
     def ready(self) -> bool:
         return self._ready
@@ -538,11 +544,11 @@ class SlotManager:
         said = status is not None and status.phase not in ALIVE_PHASES and status.message
         word = f"worker {status.phase}: {status.message}" if said and status is not None else None
         # Below the state file system's reserve the logs go with the slot: the space matters more.
-        keep = self._log_retention > 0 and self._store.short() is None
+        keep = self._logs.retention_seconds > 0 and self._store.short() is None
         self._runtime.discard(
             slot.id, keep_logs_as=slot.name if keep else None, last_word=word, kind=slot_kind(slot.request)
         )
-        self._prune_logs()
+        self._logs.prune()
         if self._host is not None:
             self._host.slot_released(slot.id)
 

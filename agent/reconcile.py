@@ -96,7 +96,7 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             report.worker_dirs_removed = manager._runtime.reap(s.id for s in manager._store.list_slots())
         except OSError as err:
             log.warning("stale worker directories not removed", extra={"reason": str(err)})
-        manager._prune_logs()
+        manager.worker_logs.prune()
         report.seconds = time.monotonic() - began
         manager.report = report
         manager._store.add_event("reconcile", report.summary())
