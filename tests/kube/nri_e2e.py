@@ -1,0 +1,308 @@
+"""End to end through containerd's NRI, without a kubelet: containerd (``kube/cluster containerd``),
+a test agent (``nodeagent serve`` with NRI on, its own state dir and cgroup parent, host
+partitioning off), the shim (``kube/nri-shim``), and crictl creating containers as the kubelet would.
+
+Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
+
+1. a Guaranteed-like container (quota 100000 / period 100000, 64 MiB) gets a guaranteed slot, and the
+   container's own cgroup has the slot's exclusive CPU as its cpuset and the slot's memory limit;
+2. a container removed while the shim is down has its slot released at the shim's next Synchronize;
+3. a running container keeps its slot (the same id) across a shim restart;
+4. stopping and removing the container releases the slot;
+5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
+   and leaves no slot.
+
+Everything it starts is ended in ``finally``: the shim, the agent (then ``nodeagent uninstall
+--release-slots`` for its cgroups, keeper and firewall table), the pods (the wrapper's
+``kube/cluster stop`` ends containerd and removes its work directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.daemon import DaemonProcess, nodeagent_argv, wait_until
+
+PARENT = f"natestnri{os.getpid()}.slice"
+NRI_PREFIX = "nri-"
+
+
+def say(text: str) -> None:
+    print(f"nri-e2e: {text}", flush=True)
+
+
+class Crictl:
+    def __init__(self, binary: Path, work: Path) -> None:
+        endpoint = f"unix://{work}/containerd/containerd.sock"
+        self.argv = [
+            str(binary),
+            "--runtime-endpoint",
+            endpoint,
+            "--image-endpoint",
+            endpoint,
+            "--timeout",
+            "30s",
+        ]
+        self.work = work
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*self.argv, *args], capture_output=True, text=True, timeout=120, check=False)
+        if check and done.returncode != 0:
+            raise AssertionError(f"crictl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done
+
+    def write(self, name: str, body: dict[str, Any]) -> str:
+        path = self.work / f"nri-e2e-{name}.json"
+        path.write_text(json.dumps(body))
+        return str(path)
+
+
+def pod_config(work: Path, uid: str) -> dict[str, Any]:
+    logs = work / "pod-logs" / uid
+    logs.mkdir(parents=True, exist_ok=True)
+    return {
+        "metadata": {"name": "nri-e2e", "namespace": "default", "uid": uid, "attempt": 0},
+        # A Guaranteed pod's cgroup parent as the kubelet (cgroupfs driver) names it: directly under
+        # kubepods, inside kube/cluster's own subtree (stop removes it).
+        "linux": {
+            "cgroup_parent": f"/nodeagent-kube/kubepods/pod{uid}",
+            "security_context": {"namespace_options": {"network": 2}},  # the host's network: no CNI
+        },
+        "log_directory": str(logs),
+    }
+
+
+def container_config(name: str, quota: int, memory: int) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "image": {"image": "nodeagent.local/busybox:1"},
+        "command": ["/bin/sleep", "3600"],
+        "linux": {
+            "resources": {
+                "cpu_period": 100_000,
+                "cpu_quota": quota,
+                "cpu_shares": quota * 1024 // 100_000,
+                "memory_limit_in_bytes": memory,
+            }
+        },
+        "log_path": f"{name}.log",
+    }
+
+
+def cgroup_file(pid: int, controller: str, name: str) -> str:
+    """A file of the container's own cgroup (v1: the controller's hierarchy; v2: the unified one)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if controller in ctrls.split(","):
+            return (Path("/sys/fs/cgroup") / controller / path.lstrip("/") / name).read_text().strip()
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            v2 = {"cpuset.cpus": "cpuset.cpus", "memory.limit_in_bytes": "memory.max"}[name]
+            return (Path("/sys/fs/cgroup") / line[3:].lstrip("/") / v2).read_text().strip()
+    raise AssertionError(f"no {controller} cgroup for pid {pid}")
+
+
+def nri_slots(client: Any) -> list[dict[str, Any]]:
+    slots = client.get("/v1/slots").json()["slots"]
+    return [s for s in slots if s["name"].startswith(NRI_PREFIX)]
+
+
+def start_shim(args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path) -> subprocess.Popen[bytes]:
+    """Start the shim and wait until containerd has registered it (and synchronized it)."""
+    containerd_log = args.work / "log" / "containerd.log"
+    seen = containerd_log.read_text().count("nodeagent")
+    with shim_log.open("ab") as log:
+        shim = subprocess.Popen(
+            [
+                str(args.shim),
+                "-agent-socket",
+                str(daemon.config.parent / "agent.sock"),
+                "-token-file",
+                str(daemon.token_file),
+                "-nri-socket",
+                str(args.work / "containerd" / "nri.sock"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    args.procs.append(shim)
+    wait_until(
+        "containerd to register the shim",
+        lambda: shim.poll() is None and containerd_log.read_text().count("nodeagent") > seen,
+        timeout=30,
+    )
+    return shim
+
+
+def stop_shim(shim: subprocess.Popen[bytes]) -> None:
+    shim.terminate()
+    shim.wait(timeout=10)
+
+
+def guaranteed(cri: Crictl, client: Any, pod: str, pod_json: str, name: str) -> tuple[str, dict[str, Any]]:
+    """Create and start a 1-CPU 64 MiB container; check its cgroup against its slot."""
+    started = time.monotonic()
+    ctr = cri.run(
+        "create", pod, cri.write(name, container_config(name, 100_000, 64 << 20)), pod_json
+    ).stdout.strip()
+    created_s = time.monotonic() - started
+    cri.run("start", ctr)
+    slots = nri_slots(client)
+    assert [s["name"] for s in slots] == [NRI_PREFIX + ctr[:59]], slots
+    slot = slots[0]
+    assignment = slot["assignment"]
+    assert slot["qos"] == "guaranteed"
+    assert assignment["exclusive"], assignment
+    pid = int(json.loads(cri.run("inspect", ctr).stdout)["info"]["pid"])
+    cpuset = cgroup_file(pid, "cpuset", "cpuset.cpus")
+    memory = cgroup_file(pid, "memory", "memory.limit_in_bytes")
+    allowed = next(
+        line.split(":", 1)[1].strip()
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("Cpus_allowed_list")
+    )
+    say(
+        f"container {ctr[:13]} (crictl create took {created_s:.2f}s): slot {slot['id']} "
+        f"{slot['name'][:20]}... exclusive cpuset {assignment['cpuset']} numa {assignment['numa_nodes']}; "
+        f"container cgroup cpuset.cpus={cpuset} memory limit={memory}; its task's Cpus_allowed_list={allowed}"
+    )
+    assert cpuset == assignment["cpuset"], (cpuset, assignment["cpuset"])
+    assert allowed == assignment["cpuset"], (allowed, assignment["cpuset"])
+    assert memory == str(64 << 20), memory
+    return ctr, slot
+
+
+def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: Path) -> None:
+    work: Path = args.work
+    client = daemon.start()
+    say(f"agent up ({daemon.url}, unix socket {daemon.config.parent / 'agent.sock'})")
+    shim = start_shim(args, daemon, shim_log)
+    say("shim registered with containerd's NRI")
+
+    uid = f"nrie2e{os.getpid()}"
+    pod_json = cri.write("pod", pod_config(work, uid))
+    pod = cri.run("runp", pod_json).stdout.strip()
+    args.pods.append(pod)
+    say(f"pod sandbox {pod[:13]}")
+
+    # 1. Guaranteed: 1 whole CPU, 64 MiB -> an exclusive CPU in the container's own cgroup.
+    first, _ = guaranteed(cri, client, pod, pod_json, "first")
+
+    # 2. The container goes while the shim is down: the next Synchronize releases its slot.
+    stop_shim(shim)
+    cri.run("stop", first)
+    cri.run("rm", first)
+    assert len(nri_slots(client)) == 1, "no shim: nothing told the agent"
+    shim = start_shim(args, daemon, shim_log)
+    wait_until(
+        "Synchronize to release the gone container's slot", lambda: nri_slots(client) == [], timeout=10
+    )
+    say("container removed while the shim was down: released at the shim's next Synchronize")
+
+    # 3. A running container survives a shim restart: Synchronize keeps the same slot.
+    second, slot = guaranteed(cri, client, pod, pod_json, "second")
+    stop_shim(shim)
+    shim = start_shim(args, daemon, shim_log)
+    assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
+    say("shim restarted with the container running: Synchronize kept its slot")
+
+    # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
+    cri.run("stop", second)
+    assert nri_slots(client) == [], nri_slots(client)
+    cri.run("rm", second)
+    assert nri_slots(client) == []
+    say("container stopped and removed: slot released")
+
+    # 5. More CPUs than the host has: creation fails with the agent's reason.
+    too_many = (os.cpu_count() or 1) * 100_000 + 100_000
+    refused = cri.run(
+        "create",
+        pod,
+        cri.write("too-big", container_config("too-big", too_many, 64 << 20)),
+        pod_json,
+        check=False,
+    )
+    assert refused.returncode != 0, refused.stdout
+    reason = refused.stderr.strip()
+    say(f"too big: crictl create failed: {reason[-400:]}")
+    assert "nodeagent refused (409 does_not_fit)" in reason, reason
+    assert nri_slots(client) == []
+    say("PASS")
+
+
+def clean_up(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl) -> None:
+    for pod in args.pods:
+        cri.run("stopp", pod, check=False)
+        cri.run("rmp", "-f", pod, check=False)
+    for proc in args.procs:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    daemon.stop()
+    daemon.stop_keeper()
+    done = subprocess.run(
+        [
+            *nodeagent_argv(),
+            "uninstall",
+            "--config",
+            str(daemon.config),
+            "--state-dir",
+            str(daemon.state),
+            "--release-slots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    say(f"uninstall ({done.returncode}): {(done.stdout + done.stderr).strip()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bin", type=Path, required=True, help="kube/build's bin directory")
+    parser.add_argument("--shim", type=Path, required=True, help="the nri-shim binary")
+    parser.add_argument("--work", type=Path, required=True, help="kube/cluster's work directory")
+    args = parser.parse_args(argv)
+    args.procs, args.pods = [], []
+    agent_dir = Path(tempfile.mkdtemp(prefix="nri-e2e-agent-"))
+    sock = agent_dir / "agent.sock"
+    daemon = DaemonProcess(
+        agent_dir,
+        f'[api]\nunix_socket = "{sock}"\n\n'
+        f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "nn{os.getpid()}-"\nveth_prefix = "nne"\n'
+        f'firewall_table = "natestnri{os.getpid()}"\n\n[kubernetes]\nnri = true\n',
+    )
+    cri = Crictl(args.bin / "crictl", args.work)
+    status = 1
+    try:
+        run(args, daemon, cri, agent_dir / "shim.log")
+        status = 0
+    except AssertionError as err:
+        say(f"FAIL: {err}")
+    finally:
+        clean_up(args, daemon, cri)
+        for name in ("daemon.log", "shim.log"):
+            path = agent_dir / name
+            if status and path.exists():
+                say(f"--- {name} (tail)\n{path.read_text()[-3000:]}")
+        shutil.rmtree(agent_dir, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
