@@ -200,6 +200,9 @@ class NriContainers:
         translation (InvalidRequest) and placement (PlacementError) propagate with their reason."""
         request = slot_request(container)
         result = self._service.allocate(request)
+        if not result.slot.holding:  # a failed slot of this container holds nothing: make it again
+            self._service.release(result.slot.id)
+            result = self._service.allocate(request)
         if result.created:
             log.info(
                 "nri container placed",
@@ -241,8 +244,6 @@ class NriContainers:
             slot = held.get(name)
             try:
                 if slot is None or not slot.holding:
-                    if slot is not None:  # a failed slot holds nothing: make it again
-                        self._service.release(name)
                     updates.append(self.create(container))
                 else:
                     updates.append(adjustment(slot).model_copy(update={"container_id": container.id}))

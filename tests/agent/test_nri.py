@@ -3,12 +3,14 @@ fake service (real parser and planner, no kernel)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from nodeagent.agent.api import create_app
 from nodeagent.agent.nri import SLOT_PREFIX, slot_name, slot_request
+from nodeagent.agent.slot import SlotState
 from nodeagent.errors import InvalidRequest
 from nodeagent.schema.nri import NriContainer
 from tests.agent.fake_service import FakeSlotService
@@ -255,3 +257,13 @@ def test_nri_is_off_by_default(service: FakeSlotService) -> None:
 def test_bad_container_ids_are_refused(client: AppClient) -> None:
     assert client.post("/v1/nri/containers", json=container("../etc")).status_code == 422
     assert client.delete("/v1/nri/containers/..%2Fetc").status_code in (404, 422)
+
+
+def test_a_failed_slot_of_the_container_is_made_again(client: AppClient, service: FakeSlotService) -> None:
+    first = client.post("/v1/nri/containers", json=container(**GUARANTEED_1)).json()
+    held = service._slots[first["slot_id"]]
+    held.view = replace(held.view, state=SlotState.FAILED, reason="the kernel refused")
+    again = client.post("/v1/nri/containers", json=container(**GUARANTEED_1)).json()
+    assert again["slot_id"] != first["slot_id"]
+    assert again["cpuset_cpus"] != ""
+    assert [s["state"] for s in client.get("/v1/slots").json()["slots"]] == ["ready"]
