@@ -40,6 +40,7 @@ from nodeagent.isolation.cdi import (
 )
 from nodeagent.isolation.devices import GPU_CONTROL_NODES
 from nodeagent.runtime.env import slot_environment, write_slot_file
+from nodeagent.runtime.worker_kind import kind_of
 from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.cdi")
@@ -152,7 +153,7 @@ class SlotCdiSpecs:
 
 def check_container(cdi: SlotCdiSpecs | None, spec: WorkerSpec | None) -> None:
     """A container worker gets its slot through the slot's CDI spec: without specs it cannot start."""
-    if spec is not None and spec.container is not None and cdi is None:
+    if kind_of(spec).needs_container_runtime and cdi is None:
         raise Unsupported(
             "container workers need the slot's CDI spec, and this agent writes none ([cdi] enabled = "
             "false, or slots are not isolated here); enable [cdi] or give a command"

@@ -46,7 +46,7 @@ from nodeagent.agent.systemd import (
     stop_workers_with_agent,
     take_stopped_workers,
 )
-from nodeagent.cgroups import CgroupHost, CgroupStats, detect, open_manager
+from nodeagent.cgroups import CgroupHost, CgroupManager, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import NO_SPACE, ConfigError, InsufficientStorage, NodeAgentError, translate_os_error
@@ -236,23 +236,33 @@ class SlotStats:
     """Per-slot cgroup statistics for the metrics scrape (None for a slot without a cgroup).
 
     The scrape hands over the slots it listed (``prepare``), so each slot's cgroup comes from that
-    one listing instead of a database lookup per slot; a slot it did not list is looked up.
+    one listing instead of a database lookup per slot; a slot it did not list is looked up. The
+    cgroup managers are kept from scrape to scrape (those of slots gone are dropped), so each
+    slot's directories are checked once, not at every scrape.
     """
 
     def __init__(self, manager: SlotManager) -> None:
         self._manager = manager
         self._host = detect()
         self._cgroups: dict[str, str | None] = {}
+        self._managers: dict[str, CgroupManager] = {}
 
     def prepare(self, slots: Sequence[Slot]) -> None:
         self._cgroups = {slot.id: slot.cgroup for slot in slots}
+        wanted = {cgroup for cgroup in self._cgroups.values() if cgroup is not None}
+        self._managers = {cgroup: kept for cgroup, kept in self._managers.items() if cgroup in wanted}
 
     def __call__(self, slot_id: str) -> CgroupStats | None:
         if not self._host.can_write:
             return None
         cgroups = self._cgroups
         cgroup = cgroups[slot_id] if slot_id in cgroups else self._manager.get_slot(slot_id).cgroup
-        return None if cgroup is None else open_manager(self._host, cgroup).stats()
+        if cgroup is None:
+            return None
+        manager = self._managers.get(cgroup)
+        if manager is None:
+            manager = self._managers[cgroup] = open_manager(self._host, cgroup)
+        return manager.stats()
 
 
 def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:

@@ -62,7 +62,7 @@ from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_dev
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import StateStore
-from nodeagent.agent.translate import assignment_of, isolation_spec, runs_containers, slot_description
+from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
 from nodeagent.agent.worker_logs import worker_log_entries
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
@@ -90,6 +90,7 @@ from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
 from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted_ports
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
+from nodeagent.runtime.worker_kind import kind_of, slot_kind
 from nodeagent.runtime.workers import WorkerRuntime
 from nodeagent.schema.request import (
     SLOT_ID_FORM,
@@ -462,7 +463,7 @@ class SlotManager:
 
     def _discard_failed(self, slot: Slot) -> None:
         self._store.delete_slot(slot.id)
-        self._runtime.discard(slot.id)
+        self._runtime.discard(slot.id, kind=slot_kind(slot.request))
         self._store.add_event("discard", f"failed slot {slot.name!r} replaced by a new allocation", slot.id)
 
     # ------------------------------------------------------------------ SlotService: resize
@@ -534,7 +535,9 @@ class SlotManager:
         word = f"worker {status.phase}: {status.message}" if said and status is not None else None
         # Below the state file system's reserve the logs go with the slot: the space matters more.
         keep = self._log_retention > 0 and self._store.short() is None
-        self._runtime.discard(slot.id, keep_logs_as=slot.name if keep else None, last_word=word)
+        self._runtime.discard(
+            slot.id, keep_logs_as=slot.name if keep else None, last_word=word, kind=slot_kind(slot.request)
+        )
         self._prune_logs()
         if self._host is not None:
             self._host.slot_released(slot.id)
@@ -604,7 +607,7 @@ class SlotManager:
             check_container(self._cdi, body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
-            if body.container is not None and not runs_containers(slot):
+            if not kind_of(body).runs_in(slot_kind(slot.request)):
                 raise Conflict(
                     f"slot {slot.name!r} was allocated without a container worker, so its device cgroup "
                     "does not admit a container runtime below it; allocate a slot whose request has "

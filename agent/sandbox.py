@@ -39,6 +39,7 @@ from nodeagent.runtime.sandbox.caps import CAPABILITY_NAMES, NEVER_FOR_ROOT, ROO
 from nodeagent.runtime.sandbox.paths import Relation, describe, lexical, meets_hidden, relation
 from nodeagent.runtime.sandbox.seccomp import restricted_syscalls
 from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SAFE_DEV_NAMES, PrivateDir
+from nodeagent.runtime.worker_kind import kind_of
 from nodeagent.schema.quantity import format_quantity, parse_quantity
 from nodeagent.schema.worker import WorkerSandbox, WorkerSpec
 
@@ -212,9 +213,7 @@ class SandboxPolicy:
             met = meets_hidden(spec.workdir, self.hidden, above=False)
             if met is not None:
                 raise InvalidRequest(describe("worker.workdir", spec.workdir, met))
-        if spec.container is None:
-            return
-        for index, mount in enumerate(spec.container.mounts):
+        for index, mount in enumerate(kind_of(spec).mounts(spec)):
             met = meets_hidden(mount.source, self.hidden)
             if met is not None:
                 raise InvalidRequest(describe(f"worker.container.mounts[{index}].source", mount.source, met))
@@ -230,7 +229,7 @@ class SandboxPolicy:
         not find it there (its own ``/tmp`` is empty), and fail at every start. ``resolved``: the
         spec with its preset filled in (runtime.presets.resolve), so a preset's own arguments
         (a model repository) are weighed too. An argument ``--flag=/path`` counts as its path."""
-        if not self.active or resolved.container is not None or not resolved.command:
+        if not self.active or not kind_of(resolved).runs_in_sandbox or not resolved.command:
             return
         for index, arg in enumerate(resolved.command):
             for path in (arg, arg.partition("=")[2]):

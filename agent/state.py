@@ -433,7 +433,7 @@ class StateStore:
 
     def insert_slot(self, slot: Slot) -> Slot:
         now = self._clock()
-        stored = dataclasses.replace(slot, created_at=now, updated_at=now, worker=None, foreign_cpu=None)
+        stored = _as_stored(dataclasses.replace(slot, created_at=now, updated_at=now))
         with self.transaction():
             self._write(_SLOT_INSERT, _slot_row(stored))
             self._staged[stored.id] = stored
@@ -442,7 +442,7 @@ class StateStore:
 
     def update_slot(self, slot: Slot) -> Slot:
         """Write ``slot``'s request, assignment, state, reason and applied state; returns it as stored."""
-        changed = dataclasses.replace(slot, updated_at=self._clock(), worker=None, foreign_cpu=None)
+        changed = _as_stored(dataclasses.replace(slot, updated_at=self._clock()))
         row = dict(zip(_SLOT_COLUMNS, _slot_row(changed), strict=True))
         values = {k: row[k] for k in _UPDATED_SLOT_COLUMNS}
         assignments = ", ".join(f"{k} = :{k}" for k in values)
@@ -455,8 +455,9 @@ class StateStore:
                 raise StateError(f"slot {slot.id!r} is not in the state database")
             # As a read back would give it: created_at is never updated.
             before = self._staged.get(slot.id) or self._slots.get(slot.id)
-            kept = {} if before is None else {"name": before.name, "created_at": before.created_at}
-            self._staged[slot.id] = dataclasses.replace(changed, **kept)
+            if before is not None:
+                changed = dataclasses.replace(changed, name=before.name, created_at=before.created_at)
+            self._staged[slot.id] = changed
         self._keep_manifest(changed)
         return changed
 
@@ -814,6 +815,14 @@ def slot_from_record(values: Mapping[str, Any]) -> Slot:
 def _slot_row(slot: Slot) -> tuple[Any, ...]:
     record = slot_record(slot)
     return tuple(_dump(record[c]) if c in _JSON_SLOT_COLUMNS else record[c] for c in _SLOT_COLUMNS)
+
+
+def _as_stored(slot: Slot) -> Slot:
+    """``slot`` as the database holds it: without what the service adds when it is read (worker
+    status, foreign CPU, uid, QoS actions, endpoints), which live elsewhere or are measured."""
+    return dataclasses.replace(
+        slot, worker=None, foreign_cpu=None, sandbox_uid=None, qos_actions=(), qos_evicted=False, endpoints=()
+    )
 
 
 def _read_slots(rows: Iterable[tuple[Any, ...]], path: Path) -> dict[str, Slot]:

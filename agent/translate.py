@@ -17,6 +17,7 @@ from nodeagent.isolation.devices import assigned_device_nodes
 from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Assignment
 from nodeagent.runtime.env import SlotDescription
+from nodeagent.runtime.worker_kind import slot_kind
 from nodeagent.schema.request import parse_slot_request
 
 
@@ -50,16 +51,9 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
             tuple(HostPort(p.port, p.protocol) for p in res.network.host_ports),
         ),
         l3=res.l3_share,
-        containers=runs_containers(slot),
+        # Fixed at allocate (runtime/worker_kind.py): every resize and start gives the same answer.
+        containers=slot_kind(slot.request).needs_container_runtime,
     )
-
-
-def runs_containers(slot: Slot) -> bool:
-    """Whether the slot was asked for with a container worker: its device cgroup then admits what
-    an OCI runtime writes below it (fixed at allocate: isolation_spec must give the same answer at
-    every resize and start)."""
-    worker = slot.request.worker
-    return worker is not None and worker.container is not None
 
 
 def slot_description(slot: Slot, shared_pool: frozenset[int]) -> SlotDescription:
@@ -113,4 +107,4 @@ def assignment_of(slot: Slot) -> Assignment:
     return slot.assignment
 
 
-__all__ = ["assignment_of", "isolation_spec", "runs_containers", "slot_description", "slot_from_kernel"]
+__all__ = ["assignment_of", "isolation_spec", "slot_description", "slot_from_kernel"]

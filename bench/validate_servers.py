@@ -1,7 +1,10 @@
-"""Validate the heavier model servers through the agent: Triton (the tritonserver that
-nvidia-pytriton's wheel bundles), TorchServe, TF Serving (when installable) and the SageMaker
-serving contract (a bring-your-own-container `serve`), each through its preset, put through the
-same checks as the CI end-to-end tests of MLServer and KServe (tests/servers/lifecycle.py):
+"""Validate every preset's model server through the agent, each installed from PyPI into a fresh
+venv and started the way docs/model-servers.md shows: MLServer (a parallel worker, from the
+repository's settings.json), KServe (a model.py of the usual shape), PyTriton (a script binding a
+Python function with pytriton.triton.Triton, through the generic preset), Triton (the tritonserver
+that nvidia-pytriton's wheel bundles), TorchServe, TF Serving (when installable) and the SageMaker
+serving contract (a bring-your-own-container `serve`), put through the checks of the CI end-to-end
+tests (tests/servers/lifecycle.py):
 
   ready         a 1-CPU burstable slot turns `running` through the preset's model-level probe
   inference     an inference is answered right (median latency of 20)
@@ -17,12 +20,16 @@ check (pass / FAIL / not installable / -: not reached) with the ready time and i
 Run by hand as root on a host with writable cgroups (not in CI: the installs are large, TorchServe
 needs a JRE):
 
-    python bench/validate_servers.py [--servers triton,torchserve,tfserving,sagemaker] [--keep-venvs DIR]
+    python bench/validate_servers.py [--servers mlserver,kserve,...] [--keep-venvs DIR] [--state-dir tmp]
 
 Each server gets its own agent (a test cgroup parent "natest<pid>e.slice" in every hierarchy, a
-tmp state directory, a port range of this pid's), and is installed into /var/tmp/natest<pid>-*
-(world-readable: workers run as the slot's own uid), all removed at the end, on failure or Ctrl-C
-too. --keep-venvs DIR installs into DIR/<server> instead, keeps it, and reuses it the next time.
+port range of this pid's) with the agent's default state directory (/var/lib/nodeagent as root,
+what `nodeagent serve` uses without a config: the socket paths of workers below it must fit), and is
+installed into /var/tmp/natest<pid>-* (world-readable: workers run as the slot's own uid), all
+removed at the end, on failure or Ctrl-C too. The default state directory must not exist when the
+run starts (it refuses otherwise: an agent's, or one left by one, would be changed) and is removed
+after each server. --state-dir tmp gives each agent a tmp state directory instead. --keep-venvs DIR
+installs into DIR/<server> instead, keeps it, and reuses it the next time.
 """
 
 from __future__ import annotations
@@ -46,11 +53,41 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
 
+from nodeagent.defaults import default_state_dir
 from tests.servers.fixtures import new_base
 from tests.servers.heavy import BUILDERS, NotInstallable, versions
 from tests.servers.lifecycle import STEPS, Lifecycle, remove_daemon, server_daemon
 
-SERVERS = ("triton", "torchserve", "tfserving", "sagemaker")
+SERVERS = ("mlserver", "kserve", "pytriton", "triton", "torchserve", "tfserving", "sagemaker")
+#: The packages whose versions the report names.
+SHOWN_VERSIONS = (
+    "mlserver", "kserve", "nvidia-pytriton", "torchserve", "torch-model-archiver", "torch", "numpy",
+)  # fmt: skip
+
+
+class StateDirInUse(Exception):
+    """The default state directory is there already: another agent's, or left by one."""
+
+
+def claim_default_state() -> Path:
+    """The agent's default state directory, checked to be absent (so that removing it after the run
+    leaves the host as found)."""
+    state = default_state_dir()
+    if state.exists() or state.is_symlink():
+        raise StateDirInUse(
+            f"{state}, the agent's default state directory, exists: an agent uses it or left it, and "
+            "this run would change it. Stop that agent (and `nodeagent uninstall`) and move the "
+            "directory away, or run with --state-dir tmp"
+        )
+    return state
+
+
+def release_default_state(state: Path) -> None:
+    """Remove what the run's agent made of the default state directory (its workers' directories,
+    the journal, the token, the keeper's socket)."""
+    shutil.rmtree(state, ignore_errors=True)
+    if state.exists():
+        raise SystemExit(f"could not remove {state}: remove it by hand")
 
 
 @dataclass
@@ -91,7 +128,7 @@ def install_dir(server: str, keep: Path | None) -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def validate(server: str, keep: Path | None) -> Result:
+def validate(server: str, keep: Path | None, default_state: bool) -> Result:
     result = Result(server)
     print(f"\n{server}: installing ...", flush=True)
     with install_dir(server, keep) as base:
@@ -108,8 +145,9 @@ def validate(server: str, keep: Path | None) -> Result:
             return result
         result.install_s = time.monotonic() - began
         result.versions = versions(base)
+        state = claim_default_state() if default_state else None
         work = Path(tempfile.mkdtemp(prefix=f"natest-{server}-"))
-        daemon = server_daemon(work)
+        daemon = server_daemon(work, state)
         lifecycle = None
         try:
             lifecycle = Lifecycle(daemon, case)
@@ -124,8 +162,12 @@ def validate(server: str, keep: Path | None) -> Result:
                 result.note += f"\n{lifecycle.failure_logs}" if lifecycle.failure_logs else ""
             if result.note:
                 result.note += f"\n    agent log: ...{daemon.log_tail(1500)}"
-            remove_daemon(daemon)
-            shutil.rmtree(work, ignore_errors=True)
+            try:
+                remove_daemon(daemon)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+                if state is not None:
+                    release_default_state(state)
     return result
 
 
@@ -158,6 +200,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated: {', '.join(SERVERS)}")
     parser.add_argument("--keep-venvs", type=Path, default=None, help="install into (and reuse) DIR/<server>")
+    parser.add_argument(
+        "--state-dir",
+        choices=("default", "tmp"),
+        default="default",
+        help="the agent's default state directory (it must not exist; removed after) or a tmp one",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the script creates cgroups")
@@ -170,15 +218,21 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     keep = args.keep_venvs.resolve() if args.keep_venvs else None
+    default_state = args.state_dir == "default"
+    if default_state:
+        try:
+            claim_default_state()
+        except StateDirInUse as err:
+            raise SystemExit(str(err)) from None
+        print(f"state directory: {default_state_dir()} (the agent's default)", flush=True)
     results = []
     for server in chosen:
-        results.append(validate(server, keep))
+        results.append(validate(server, keep, default_state))
     print()
     print(table(results))
     for r in results:
         if r.versions:
-            wanted = ("nvidia-pytriton", "torchserve", "torch-model-archiver", "torch", "numpy")
-            shown = {k: v for k, v in r.versions.items() if k.lower() in wanted}
+            shown = {k: v for k, v in r.versions.items() if k.lower() in SHOWN_VERSIONS}
             print(f"\n{r.server}: installed in {r.install_s:.0f} s; {shown}")
         if r.note:
             print(f"\n{r.server}: {r.note}")

@@ -25,6 +25,9 @@ class V1Manager(CgroupManager):
     def __init__(self, host: CgroupHost, relpath: str) -> None:
         super().__init__(relpath)
         self._mounts_by_controller = dict(host.v1_mounts)
+        #: stats()'s directories, checked once per manager: a scrape that keeps its managers
+        #: (agent.daemon.SlotStats) reads each slot's files without resolving them again
+        self._stats_dirs: dict[str, fs.CgroupDir] | None = None
 
     def paths(self) -> dict[str, Path]:
         return {c: fs.resolve(m, self.relpath) for c, m in sorted(self._mounts_by_controller.items())}
@@ -141,7 +144,9 @@ class V1Manager(CgroupManager):
     def stats(self) -> CgroupStats:
         # Each hierarchy's directory is checked once (cpu and cpuacct usually share one), then its
         # files are read by name: a scrape of many slots pays one path check per slot and mount.
-        dirs = self._dirs(("cpu", "cpuacct", "memory", "pids"))
+        if self._stats_dirs is None:
+            self._stats_dirs = self._dirs(("cpu", "cpuacct", "memory", "pids"))
+        dirs = self._stats_dirs
         cpu = _keyed_in(dirs, "cpu", "cpu.stat")
         return CgroupStats(
             cpu_usage_ns=_int_in(dirs, "cpuacct", "cpuacct.usage"),

@@ -29,6 +29,7 @@ class V2Manager(CgroupManager):
             raise Unsupported("this host has no cgroup2 mount; use the v1 manager")
         self._mount = host.v2_mount
         self._wanted = frozenset(V2_CONTROLLERS)
+        self._stats_dir: fs.CgroupDir | None = None  #: stats()'s directory, checked once (see V1Manager)
         # On a delegated subtree, the levels above it are not ours to configure: under systemd the
         # unit's delegated cgroup (systemd enabled the controllers above it), for an unprivileged
         # agent its own cgroup.
@@ -151,7 +152,9 @@ class V2Manager(CgroupManager):
 
     def stats(self) -> CgroupStats:
         # The directory is checked once, then its files are read by name (see fs.CgroupDir).
-        directory = fs.resolve_dir(self._mount, self.relpath)
+        if self._stats_dir is None:
+            self._stats_dir = fs.resolve_dir(self._mount, self.relpath)
+        directory = self._stats_dir
         cpu = fs.read_keyed(directory, "cpu.stat")
         events = fs.read_optional(directory, "memory.events")
         values = {} if events is None else fs.parse_keyed(events)

@@ -1,10 +1,15 @@
 """A slot's device allow-list: the safe set every process needs, plus the slot's own devices.
 
 Everything not on the list is refused (v1: the devices controller; v2: the eBPF program the
-cgroup manager attaches). Access is read/write. Mknod is allowed only for the six standard nodes
-the worker sandbox makes in its private /dev (null, zero, full, random, urandom, tty): every user
-may open those anyway, a worker never holds CAP_MKNOD, and a mknod costs a third of the bind mount
-the sandbox falls back to without it (~0.3-0.6 ms per launch measured in a slot here).
+cgroup manager attaches). Access is read/write, and mknod for exactly the nodes the worker sandbox
+makes in its private /dev: the six standard ones (null, zero, full, random, urandom, tty) and the
+slot's own devices. Mknod is what lets the sandbox give the slot's uid its own node (owner and
+mode of the sandbox's choosing, in a /dev only that worker sees) without touching the host's node,
+which may be root's 0600 (an FPGA, a VFIO group, a loop device); the bind mount of the host's node
+it falls back to without 'm' keeps the host's owner and mode, and costs three times a mknod
+(~0.3-0.6 ms per launch measured in a slot here). 'm' grants nothing the slot cannot do already: a
+node made of its own numbers opens only what its 'rw' opens, and a sandboxed worker never holds
+CAP_MKNOD (``runtime.sandbox.caps.NEVER_FOR_ROOT``: no request or configuration can give it).
 
 Building the rules is pure (:func:`device_rules`); finding the type and numbers of the slot's
 device paths is the one piece of I/O (:func:`resolve_device_nodes`), done before any kernel
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
     from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
 
 SLOT_ACCESS = "rw"
-#: The standard nodes the sandbox makes with mknod (see the module docstring).
+#: The nodes the sandbox makes with mknod: the standard ones and the slot's own (module docstring).
 MADE_ACCESS = "rwm"
 
 #: What any process expects to open: null, zero, full, random, urandom, tty, ptmx and the
@@ -64,14 +69,15 @@ GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools
 def device_rules(
     nodes: Iterable[DeviceNumber], safe: Iterable[DeviceRule] = SAFE_DEVICES
 ) -> tuple[DeviceRule, ...]:
-    """The allow-list: ``safe`` plus read/write on each node it does not cover already, sorted and
-    without duplicates."""
+    """The allow-list: ``safe`` plus read, write and mknod on each of the slot's ``nodes`` (the
+    sandbox makes them in the worker's private /dev), sorted and without duplicates."""
     # One rule per device class: two for the same class (rw and rwm) become one with both accesses.
     access: dict[tuple[str, int | None, int | None], str] = {}
     for rule in safe:
         access[rule.key] = access.get(rule.key, "") + rule.access
     for node in nodes:
-        access.setdefault((node.type, node.major, node.minor), SLOT_ACCESS)
+        key = (node.type, node.major, node.minor)
+        access[key] = access.get(key, "") + MADE_ACCESS
     return tuple(sorted((DeviceRule(*key, "".join(set(a))) for key, a in access.items()), key=_order))
 
 

@@ -186,6 +186,34 @@ def exec_argv(podman: str, config: PodmanConfig, slot_id: str, argv: Sequence[st
     return (podman, *config.global_args(), "exec", container_name(slot_id), *argv)
 
 
+def container_slots(podman: str, config: PodmanConfig) -> list[str]:
+    """The slot ids of every container named like one of the agent's, in any state (one podman
+    call; a leftover of any agent on this host may be among them)."""
+    try:
+        done = subprocess.run(
+            [
+                podman,
+                *config.global_args(),
+                "ps",
+                "--all",
+                "--filter",
+                f"name=^{NAME_PREFIX}",
+                "--format",
+                "{{.Names}}",
+            ],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_SECONDS,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise WorkerError(f"list containers: {err}") from err
+    if done.returncode != 0:
+        raise WorkerError(f"list containers: {done.stderr.strip()}")
+    return [name.removeprefix(NAME_PREFIX) for name in done.stdout.split() if name.startswith(NAME_PREFIX)]
+
+
 def remove_container(podman: str, config: PodmanConfig, slot_id: str) -> None:
     """Remove the slot's container whatever its state (gone already is fine); raises WorkerError
     when podman fails otherwise."""

@@ -18,6 +18,7 @@ from typing import Any
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.env import DEFAULT_PATH
 from nodeagent.runtime.ports import DEFAULT_PORT_RANGE, PortWant, bind, default_protocol
+from nodeagent.runtime.worker_kind import kind_of
 from nodeagent.schema.worker import (
     OIP_LIVE_PATH,
     OIP_READY_PATH,
@@ -363,8 +364,8 @@ def resolve(
     InvalidRequest when the preset needs a field the spec lacks, something refers to a port the
     worker does not have, or (with ``find``) the program is not there. ``listen_on``: where the
     server listens (:func:`bind_address`)."""
-    if spec.container is not None:
-        return spec  # its image knows its program, and the schema refuses a preset beside a container
+    if not kind_of(spec).uses_presets:
+        return spec  # a container's image knows its program; the schema refuses a preset beside one
     numbers = preview_ports(spec) if ports is None else dict(ports)
     missing = sorted(set(wanted_ports(spec)) - set(numbers))
     if missing:

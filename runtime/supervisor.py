@@ -32,6 +32,7 @@ from nodeagent.errors import WorkerError
 from nodeagent.runtime.probes import ProbeResult, call_http, run_probe
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.worker_kind import kind_of
 from nodeagent.schema.worker import PreStop, Probe, ProbeKind, RestartPolicy, WorkerSpec
 
 log = logging.getLogger("nodeagent.supervisor")
@@ -534,10 +535,9 @@ class Supervisor:
         if self._handle is None:
             return
         self._handle.send_signal(sig)
-        if self.spec.stop_scope == "slot" and self.spec.container is None:
-            # Every process in the slot, each once: helpers a server forked (and orphaned) stop too.
-            # Not for a container: podman passes the signal to the container's init, which passes it
-            # on; conmon and the runtime, also in the slot, must outlive it to record its exit.
+        if self.spec.stop_scope == "slot" and kind_of(self.spec).signals_whole_slot:
+            # Every process in the slot, each once: helpers a server forked (and orphaned) stop too
+            # (not for a container: runtime/worker_kind.py).
             self._cgroup.signal_all(sig, but=self._handle.pid)
 
     def _escalate_stop(self, now: float) -> None:

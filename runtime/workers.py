@@ -47,6 +47,7 @@ from nodeagent.runtime.container import (
     ContainerLauncher,
     PodmanConfig,
     container_launch_spec,
+    container_slots,
     exec_argv,
     init_path,
     remove_container,
@@ -60,12 +61,11 @@ from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
 from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, SlotCgroup, Supervisor, WorkerHandle
+from nodeagent.runtime.worker_kind import CONTAINER, PROCESS, WorkerKind, kind_of
 from nodeagent.schema.worker import Probe, WorkerSpec
 
 log = logging.getLogger("nodeagent.runtime")
 
-#: In a slot's worker directory: the slot's worker is (or was) a container.
-CONTAINER_MARKER = "container"
 #: What a released slot's kept logs say about it (id, name, released_at).
 RELEASED_RECORD = "released.json"
 #: An exec probe's output is kept small: its last 64 KiB, in one rotation.
@@ -108,8 +108,16 @@ class WorkerRuntime(Protocol):
         NotFound when there are none."""
         ...
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
-        """The slot is gone: remove its worker directory; ``keep_logs_as`` (its name): keep its
+    def discard(
+        self,
+        slot_id: str,
+        keep_logs_as: str | None = None,
+        last_word: str | None = None,
+        *,
+        kind: WorkerKind = PROCESS,
+    ) -> None:
+        """The slot is gone: remove its worker directory (and, for a slot allocated for a ``kind``
+        that needs a container runtime, its container); ``keep_logs_as`` (its name): keep its
         logs among the released ones (:meth:`released_logs`) until :meth:`prune_released`, with
         ``last_word`` (the agent's last word on its worker), also when the worker never wrote
         anything (it never launched)."""
@@ -294,15 +302,27 @@ class KeeperRuntime:
         # reaches over the slot's veth; 127.0.0.1 here would be the host's loopback, not the slot's.
         network = applied.network if applied is not None else None
         probe_host = str(network.slot_address) if network is not None else "127.0.0.1"
-        if spec.container is not None:
-            return self._container_supervisor(
-                slot=slot,
-                applied=applied,
-                spec=spec,
-                sandbox=sandbox,
-                worker_dir=worker_dir,
-                probe_host=probe_host,
-            )
+        build = self._container_supervisor if kind_of(spec) is CONTAINER else self._process_supervisor
+        return build(
+            slot=slot,
+            applied=applied,
+            spec=spec,
+            sandbox=sandbox,
+            worker_dir=worker_dir,
+            probe_host=probe_host,
+        )
+
+    def _process_supervisor(
+        self,
+        *,
+        slot: SlotDescription,
+        applied: AppliedSlot | None,
+        spec: WorkerSpec,
+        sandbox: SandboxSpec | None,
+        worker_dir: Path,
+        probe_host: str,
+    ) -> Supervisor:
+        """The keeper launches the worker, in ``sandbox`` when given."""
         binding = slot_binding(applied)
         if self._has_worker_leaf(applied):
             # A slot allocated for a container worker on v2 (below): its own cgroup holds no process.
@@ -362,8 +382,6 @@ class KeeperRuntime:
             None,
             log_reserve_bytes=self._log_reserve,
         )
-        # What discard() needs to find the container again, also after an agent restart.
-        (worker_dir / CONTAINER_MARKER).write_text(spec.container.image + "\n")
         launcher: Launcher = ContainerLauncher(
             self._keeper, podman, self._podman, spec.container.image, prepare=prepare
         )
@@ -416,18 +434,18 @@ class KeeperRuntime:
         where = live if live.is_dir() else self._released / slot_id / "logs"
         return read_log(where, lines, complete_only=complete_only)
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
-        if (self._dir / slot_id / CONTAINER_MARKER).exists():
+    def discard(
+        self,
+        slot_id: str,
+        keep_logs_as: str | None = None,
+        last_word: str | None = None,
+        *,
+        kind: WorkerKind = PROCESS,
+    ) -> None:
+        if kind.needs_container_runtime:
             # Its container normally went with its worker (--rm); one whose podman was killed is
             # still in podman's store.
-            podman = self._podman.binary()
-            if podman is not None:
-                try:
-                    remove_container(podman, self._podman, slot_id)
-                except WorkerError as err:
-                    # The slot is gone already; a container left in podman's store holds nothing of
-                    # it (its cgroups went with the slot's) and --replace takes its name next time.
-                    log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
+            self._remove_containers([slot_id])
         logs = self._dir / slot_id / "logs"
         if keep_logs_as is not None and (logs.is_dir() or last_word):
             kept = self._released / slot_id
@@ -491,9 +509,36 @@ class KeeperRuntime:
         except FileNotFoundError:
             return []
         gone = sorted(name for name in found if name not in kept)
+        if gone:
+            # Slots nobody knows any more: their kind is unknown too, so ask podman (once) which
+            # of them left a container behind.
+            self._remove_containers(self._leftover_containers(gone))
         for slot_id in gone:
             self.discard(slot_id)
         return gone
+
+    def _leftover_containers(self, slot_ids: Iterable[str]) -> list[str]:
+        podman = self._podman.binary()
+        if podman is None:
+            return []
+        try:
+            present = set(container_slots(podman, self._podman))
+        except WorkerError as err:
+            log.warning("containers of leftover slots not looked for", extra={"reason": str(err)})
+            return []
+        return [slot_id for slot_id in slot_ids if slot_id in present]
+
+    def _remove_containers(self, slot_ids: Iterable[str]) -> None:
+        podman = self._podman.binary()
+        if podman is None:
+            return
+        for slot_id in slot_ids:
+            try:
+                remove_container(podman, self._podman, slot_id)
+            except WorkerError as err:
+                # The slot is gone already; a container left in podman's store holds nothing of
+                # it (its cgroups went with the slot's) and --replace takes its name next time.
+                log.warning("container not removed", extra={"slot": slot_id, "reason": str(err)})
 
     def close(self) -> None:
         # The keeper and its workers live on; the next agent re-attaches to them.

@@ -97,6 +97,8 @@ class DaemonProcess:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.log_path = work / "daemon.log"
         self.process: subprocess.Popen[bytes] | None = None
+        #: False: ``serve`` gets no --state-dir and uses its default (set ``state`` to it too).
+        self.pass_state_dir = True
 
     @property
     def token_file(self) -> Path:
@@ -117,7 +119,9 @@ class DaemonProcess:
 
     def argv(self, *extra: str, url: str | None = None) -> list[str]:
         argv = [*nodeagent_argv(), "serve", "--config", str(self.config)]
-        argv += ["--listen", (url or self.url).removeprefix("http://"), "--state-dir", str(self.state)]
+        argv += ["--listen", (url or self.url).removeprefix("http://")]
+        if self.pass_state_dir:
+            argv += ["--state-dir", str(self.state)]
         return [*argv, *extra]
 
     def start_and_fail(self, *extra: str, url: str | None = None, timeout: float = 60.0) -> tuple[int, str]:

@@ -13,7 +13,8 @@ before it execs the worker, in two calls around the identity switch:
         4. private /proc (hidepid; the pid namespace's own)
         5. /sys/fs/cgroup read-only, or namespaced           reads /proc/self/mountinfo
         6. read-only root (when asked)                       before 7-9, which must stay writable
-        7. private /dev: tmpfs, mknod, devpts, /dev/shm      mknod needs CAP_MKNOD
+        7. private /dev: tmpfs, mknod, devpts, /dev/shm      mknod needs CAP_MKNOD and 'm' in the
+                                                             slot's device cgroup (its own nodes)
         8. private /tmp; HOME bind
         9. hidden paths                                      after HOME, which may live inside one
        9b. /tmp shown again (TMPDIR); /var/tmp through an    after 9: they lie in the view shown

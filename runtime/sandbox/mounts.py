@@ -313,9 +313,10 @@ def cgroup_namespace_view(root: str, mountinfo: str) -> None:
 def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -> list[tuple[str, str]]:
     """Put a tmpfs on /dev holding the safe nodes, a private devpts, the usual links and
     ``devices``; with ``shm_bytes``, a fresh tmpfs on /dev/shm too. Returns (node, how) for each
-    node: "mknod", or "bind" where the slot's device cgroup refuses mknod (the slot's allow-list
-    grants read/write, not mknod), in which case the host's node is bind-mounted and keeps the
-    host's owner and mode."""
+    node: "mknod" (the node has the owner and mode its spec asks for: the slot's uid on its own
+    devices, whatever the host's node allows), or "bind" where the slot's device cgroup refuses
+    mknod (an allow-list granting read/write only, as a slot made by an agent before 'm' was part
+    of it has), in which case the host's node is bind-mounted and keeps the host's owner and mode."""
     host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     # With no umask, mknod and mkdir give the modes asked for, without a chmod each.
     umask = os.umask(0)
@@ -368,7 +369,8 @@ def _make_node(
         os.mknod(path, kind | mode, os.makedev(major, minor))
     except PermissionError:
         # The device cgroup refuses mknod: show the host's node instead, reached through a
-        # descriptor on the host's /dev taken before the tmpfs covered it.
+        # descriptor on the host's /dev taken before the tmpfs covered it. Never a chown or chmod
+        # of it: the host's node is the host's (other slots and users rely on its owner and mode).
         host_path = f"/proc/self/fd/{host_dev}/{path.removeprefix('/dev/')}"
         if not _same_node(host_path, kind, major, minor):
             raise PermissionError(

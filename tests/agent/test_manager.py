@@ -267,7 +267,14 @@ class FakeRuntime:
             for n in range(lines)
         ]
 
-    def discard(self, slot_id: str, keep_logs_as: str | None = None, last_word: str | None = None) -> None:
+    def discard(
+        self,
+        slot_id: str,
+        keep_logs_as: str | None = None,
+        last_word: str | None = None,
+        *,
+        kind: object = None,
+    ) -> None:
         return None
 
     def released_logs(self, key: str) -> str | None:

@@ -1,6 +1,8 @@
-"""Real model servers through the agent's REST API, sandboxed, on the real kernel: MLServer and
-KServe's model server (from PyPI, CPU only, a tiny model built in tests/servers), each through its
-preset, put through tests/servers/lifecycle.py's checks:
+"""Real model servers through the agent's REST API, sandboxed, on the real kernel: MLServer (with a
+parallel worker process, from its repository's settings.json) and KServe's model server (a model.py
+as KServe's examples write one), from PyPI, CPU only, a tiny model built in tests/servers, each
+through its preset as docs/model-servers.md shows it, put through tests/servers/lifecycle.py's
+checks:
 
 - two slots of the same server, ready through the preset's model probe, on ports the agent
   assigned, each answering an inference;
@@ -23,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from tests.agent.test_e2e import Daemon
-from tests.servers.fixtures import kserve_install, mlserver_install
-from tests.servers.lifecycle import Case, Lifecycle, oip_infer, remove_daemon, server_daemon
+from tests.servers.fixtures import kserve_case, kserve_install, mlserver_case, mlserver_install
+from tests.servers.lifecycle import Case, Lifecycle, remove_daemon, server_daemon
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -38,25 +40,6 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         yield d
     finally:
         remove_daemon(d)
-
-
-def mlserver_case(base: Path) -> Case:
-    worker = {
-        "preset": "mlserver",
-        "model_repository": str(base / "models"),
-        "model_name": "doubler",
-        "path": [str(base / "venv" / "bin")],
-    }
-    return Case("mlserver", worker, frozenset({"http", "grpc", "metrics"}), oip_infer("doubler"))
-
-
-def kserve_case(base: Path) -> Case:
-    worker = {
-        "preset": "kserve",
-        "command": [str(base / "venv" / "bin" / "python"), str(base / "model.py")],
-        "model_name": "doubler",
-    }
-    return Case("kserve", worker, frozenset({"http", "grpc"}), oip_infer("doubler"))
 
 
 SERVERS: dict[str, tuple[str, Callable[[Path], Case]]] = {

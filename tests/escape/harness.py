@@ -90,12 +90,15 @@ def control_cgroups(name: str) -> Iterator[list[str]]:
                     time.sleep(0.02)
 
 
-def config_for(tmp_path: Path, tag: str, sandbox: dict[str, Any] | None = None) -> AgentConfig:
+def config_for(
+    tmp_path: Path, tag: str, sandbox: dict[str, Any] | None = None, placement: dict[str, Any] | None = None
+) -> AgentConfig:
     pid = os.getpid()
     cfg = apply_overrides(
         parse_config(
             {
                 "sandbox": sandbox or {},
+                "placement": placement or {},
                 "cdi": {"dir": str(tmp_path / "cdi")},  # not the host's CDI directory
                 "isolation": {
                     "cgroup_parent": f"natest{pid}{tag}.slice",
@@ -234,7 +237,10 @@ def start_slots(cfg: AgentConfig, *, network: bool, litter: str, host_port: int)
                 "resources": escaper_cpus,
                 "worker": {
                     "command": [
-                        python, "-I", worker_visible(ATTEMPTS), json.dumps({**targets, "allowed_cpus": []})
+                        python,
+                        "-I",
+                        worker_visible(ATTEMPTS),
+                        json.dumps({**targets, "allowed_cpus": []}),
                     ],
                     "stop_grace_seconds": 1,
                     "restart": "never",

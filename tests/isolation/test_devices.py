@@ -23,13 +23,15 @@ DISK = DeviceNumber("b", 7, 1)
     ("nodes", "extra"),
     [
         pytest.param([], set(), id="safe-set-only"),
-        pytest.param([GPU0, MIG_CAP], {"c 195:0 rw", "c 237:12 rw"}, id="gpu-and-mig-cap"),
-        pytest.param([FPGA, DISK], {"c 508:0 rw", "b 7:1 rw"}, id="fpga-and-block"),
-        pytest.param([GPU0, GPU0], {"c 195:0 rw"}, id="duplicates-merge"),
+        pytest.param([GPU0, MIG_CAP], {"c 195:0 rwm", "c 237:12 rwm"}, id="gpu-and-mig-cap"),
+        pytest.param([FPGA, DISK], {"c 508:0 rwm", "b 7:1 rwm"}, id="fpga-and-block"),
+        pytest.param([GPU0, GPU0], {"c 195:0 rwm"}, id="duplicates-merge"),
         pytest.param([DeviceNumber("c", 1, 3)], set(), id="node-already-safe"),
     ],
 )
-def test_rules_are_the_safe_set_plus_each_node_read_write(nodes: list[DeviceNumber], extra: set[str]) -> None:
+def test_rules_are_the_safe_set_plus_each_node_read_write_and_mknod(
+    nodes: list[DeviceNumber], extra: set[str]
+) -> None:
     rules = device_rules(nodes)
     assert {str(r) for r in rules} == {str(r) for r in SAFE_DEVICES} | extra
     assert list(rules) == sorted(rules)
@@ -46,7 +48,7 @@ def test_safe_set_is_the_standard_devices_with_mknod_only_for_what_the_sandbox_m
 def test_custom_safe_set_replaces_the_default() -> None:
     assert device_rules([GPU0], safe=[DeviceRule("c", 1, 3, "rw")]) == (
         DeviceRule("c", 1, 3, "rw"),
-        DeviceRule("c", 195, 0, "rw"),
+        DeviceRule("c", 195, 0, "rwm"),
     )
 
 
@@ -78,8 +80,8 @@ def test_optional_nodes_are_taken_only_where_they_exist(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("gpu", "expected"),
     [
-        pytest.param(False, {"c 1:3 rw"}, id="no-gpu-no-control-nodes"),
-        pytest.param(True, {"c 1:3 rw", "c 1:7 rw"}, id="gpu-adds-existing-control-nodes"),
+        pytest.param(False, {"c 1:3 rwm"}, id="no-gpu-no-control-nodes"),
+        pytest.param(True, {"c 1:3 rwm", "c 1:7 rwm"}, id="gpu-adds-existing-control-nodes"),
     ],
 )
 def test_slot_rules_add_gpu_control_nodes_only_for_gpu_slots(

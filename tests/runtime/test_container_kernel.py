@@ -152,6 +152,30 @@ def test_a_container_worker_lives_in_its_slot_and_leaves_nothing(daemon: DaemonP
         check=True,
     )
     assert json.loads(described.stdout)["slot_id"] == slot_id  # the slot file, readable by the slot's uid
+    # The device opened as the slot's uid although the host's node may be root's 0600: the runtime
+    # made the container's node for the container's user; the host's node is unchanged.
+    host_node = os.stat(ALLOWED)
+    uid = int(
+        next(
+            line.split()[1]
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("Uid:")
+        )
+    )
+    inside = subprocess.run(
+        ["podman", "exec", container_name(slot_id), "ls", "-ln", ALLOWED],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert uid != 0
+    assert int(inside.stdout.split()[2]) == uid, inside.stdout
+    after = os.stat(ALLOWED)
+    assert (after.st_mode, after.st_uid, after.st_gid) == (
+        host_node.st_mode,
+        host_node.st_uid,
+        host_node.st_gid,
+    )
 
     # Its processes are in cgroups below the slot's, in every hierarchy, and on the slot's CPU.
     paths = cgroups_of(pid)
@@ -321,3 +345,25 @@ def test_exec_probes_run_inside_and_stopping_is_graceful(daemon: DaemonProcess, 
     assert "got-term" in client.get("/v1/slots/graceful/logs").json()["lines"]
     assert client.delete("/v1/slots/graceful").status_code == 204
     client.close()
+
+
+def test_a_container_of_a_slot_nobody_knows_is_removed_at_start(daemon: DaemonProcess, image: str) -> None:
+    """A worker directory left by a slot that is in no record (a crash between its removal from the
+    database and its directory's) is reaped at start; its container, if podman still holds one, goes
+    with it, found by asking podman once, not by a file beside the worker."""
+    leftover = "s0123456789ab"
+    name = container_name(leftover)
+    subprocess.run(["podman", "create", "--name", name, image, "true"], capture_output=True, check=True)
+    try:
+        (daemon.state / "workers" / leftover).mkdir(parents=True)
+        daemon.start().close()
+        listed = subprocess.run(
+            ["podman", "ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert listed.stdout.strip() == ""
+        assert not (daemon.state / "workers" / leftover).exists()
+    finally:
+        subprocess.run(["podman", "rm", "--force", "--ignore", name], capture_output=True, check=False)

@@ -1,6 +1,11 @@
-"""The heavier model servers, installed for bench/validate_servers.py (too big for CI): each in a
-world-readable directory a slot's own uid can use, with a tiny model built here (no weights, no
-model hub), and the lifecycle Case that runs it through its preset.
+"""The model servers, installed for bench/validate_servers.py (the heavier ones are too big for CI):
+each in a world-readable directory a slot's own uid can use, with a tiny model built here (no
+weights, no model hub), and the lifecycle Case that runs it through its preset.
+
+- MLServer (with a parallel worker) and KServe (a model.py): the CI end-to-end tests' installs and
+  cases (tests/servers/fixtures.py).
+- PyTriton: nvidia-pytriton from PyPI and a script that binds a Python function and serves
+  (tests/servers/pytriton_model.py), through the generic preset.
 
 - Triton: the tritonserver that nvidia-pytriton's wheel bundles (site-packages/pytriton/
   tritonserver: bin/, backends/, its own shared libraries), a Python-backend model "doubler".
@@ -22,6 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from tests.servers.fixtures import build_kserve, build_mlserver, kserve_case, mlserver_case
 from tests.servers.lifecycle import HTTP, Case, oip_infer, url_of
 from tests.workerpy import make_venv, world_python
 
@@ -111,6 +117,36 @@ def build_triton(base: Path) -> Case:
     return Case("triton", worker, frozenset({"http", "grpc", "metrics"}), oip_infer("doubler"))
 
 
+def build_pytriton(base: Path) -> Case:
+    """PyTriton as its docs run it: ``pip install nvidia-pytriton`` and a script of the user's that
+    binds a Python function with ``pytriton.triton.Triton`` and serves (tests/servers/
+    pytriton_model.py), through the generic preset with the three ports PyTriton's Triton has."""
+    venv = _venv(base, [PYTRITON])
+    shutil.copy(HERE / "pytriton_model.py", base / "server.py")
+    readable_tree(base)
+    worker = {
+        "preset": "generic",
+        "model_name": "doubler",
+        "command": [
+            str(venv / "bin" / "python"), str(base / "server.py"),
+            "--http-port={port:http}", "--grpc-port={port:grpc}", "--metrics-port={port:metrics}",
+        ],
+        "ports": {"http": {}, "grpc": {}, "metrics": {}},
+        # serve() stops its tritonserver and removes its workspace on SIGINT (KeyboardInterrupt).
+        "stop_signal": "SIGINT",
+        "stop_scope": "main",
+    }  # fmt: skip
+    return Case("pytriton", worker, frozenset({"http", "grpc", "metrics"}), oip_infer("doubler"))
+
+
+def build_mlserver_case(base: Path) -> Case:
+    return mlserver_case(build_mlserver(base))
+
+
+def build_kserve_case(base: Path) -> Case:
+    return kserve_case(build_kserve(base))
+
+
 def build_torchserve(base: Path) -> Case:
     java = shutil.which("java")
     if java is None:
@@ -174,6 +210,9 @@ def build_tfserving(base: Path) -> Case:
 
 
 BUILDERS = {
+    "mlserver": build_mlserver_case,
+    "kserve": build_kserve_case,
+    "pytriton": build_pytriton,
     "triton": build_triton,
     "torchserve": build_torchserve,
     "tfserving": build_tfserving,

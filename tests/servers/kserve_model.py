@@ -1,12 +1,14 @@
-"""A KServe model server for tests: one model, "doubler", that doubles its FP32 input (no weights,
-no model hub). Started as KServe documents it; the agent's preset adds --http_port, --grpc_port,
---workers and --max_threads, which kserve's own argument parser reads."""
+"""A KServe model server for tests, the usual model.py of KServe's examples: a ``kserve.Model`` named
+by ``args.model_name`` (kserve's own argument parser, extended) that doubles its FP32 input (no
+weights, no model hub), started with ``kserve.ModelServer().start([...])``. The agent's preset adds
+--http_port, --grpc_port, --workers, --max_threads and --model_name, which that parser reads."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
-from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer
+from kserve import InferOutput, InferRequest, InferResponse, Model, ModelServer, model_server
 
 
 class Doubler(Model):
@@ -32,5 +34,8 @@ class Doubler(Model):
         return {"predictions": [2 * x for x in payload["instances"]]}
 
 
+parser = argparse.ArgumentParser(parents=[model_server.parser])
+args, _ = parser.parse_known_args()
+
 if __name__ == "__main__":
-    ModelServer().start([Doubler("doubler")])
+    ModelServer().start([Doubler(args.model_name)])

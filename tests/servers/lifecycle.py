@@ -33,7 +33,7 @@ import httpx
 import psutil
 
 from nodeagent.runtime.ports import in_use_on_host
-from tests.agent.test_e2e import Daemon, clean_up, parent_dirs
+from tests.agent.test_e2e import Daemon, clean_up, in_test_parent, parent_dirs
 from tests.daemon import wait_until
 
 STARTUP = 240.0  # a cold server on a loaded 2-CPU box; typically a few seconds
@@ -55,9 +55,14 @@ def first_port() -> int:
     return 20000 + (os.getpid() % 99) * 100
 
 
-def server_daemon(tmp: Path) -> Daemon:
-    """test_e2e's daemon under ``tmp``, assigning worker ports from this process's range."""
+def server_daemon(tmp: Path, state: Path | None = None) -> Daemon:
+    """test_e2e's daemon under ``tmp``, assigning worker ports from this process's range.
+    ``state``: the agent's default state directory (``serve`` is given no --state-dir; the caller
+    makes sure no other agent uses it and removes it after), instead of one under ``tmp``."""
     daemon = Daemon(tmp)
+    if state is not None:
+        daemon.state = state
+        daemon.pass_state_dir = False
     first = first_port()
     text = daemon.config.read_text()
     daemon.config.write_text(text.replace("[workers]\n", f'[workers]\nport_range = "{first}-{first + 99}"\n'))
@@ -136,22 +141,27 @@ def uid_of(pid: int) -> int:
 
 
 def _live_processes_of(uid: int, attrs: list[str]) -> list[dict[str, Any]]:
-    """psutil's ``attrs`` of every live (not zombie) process whose effective uid is ``uid``."""
+    """psutil's ``attrs`` of every live (not zombie) process whose effective uid is ``uid`` and that
+    runs in this test's cgroup parent: another agent on the host (another test run's) gives its
+    slots uids from the same range, so a uid alone also finds its workers."""
     found = []
-    for process in psutil.process_iter(["uids", "status", *attrs]):
+    for process in psutil.process_iter(["pid", "uids", "status", *attrs]):
         uids, status = process.info["uids"], process.info["status"]
-        if uids is not None and uids.effective == uid and status != psutil.STATUS_ZOMBIE:
+        ours = uids is not None and uids.effective == uid and status != psutil.STATUS_ZOMBIE
+        if ours and in_test_parent(process.info["pid"]):
             found.append(process.info)
     return found
 
 
 def processes_of(uid: int) -> set[int]:
-    """Every process running as ``uid`` (a slot's own: only its worker's tree has it)."""
+    """Every process of this test's slots running as ``uid`` (a slot's own: only its worker's tree
+    has it)."""
     return {info["pid"] for info in _live_processes_of(uid, ["pid"])}
 
 
 def threads_of(uid: int) -> dict[str, int]:
-    """Threads of ``uid``'s processes, by program name (several processes of one name add up)."""
+    """Threads of ``uid``'s processes in this test's slots, by program name (several processes of
+    one name add up)."""
     counts: dict[str, int] = {}
     for info in _live_processes_of(uid, ["name", "num_threads"]):
         name = info["name"] or "?"
