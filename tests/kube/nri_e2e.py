@@ -34,6 +34,9 @@ from typing import Any
 from tests.daemon import DaemonProcess, nodeagent_argv, wait_until
 
 PARENT = f"natestnri{os.getpid()}.slice"
+#: NRI_E2E_HOST_PARTITIONING=auto: run the agent with host partitioning and report where the
+#: container ends up instead of asserting it (for a VM only: it confines every task of the host).
+OBSERVE_PARTITIONING = os.environ.get("NRI_E2E_HOST_PARTITIONING", "off") == "auto"
 NRI_PREFIX = "nri-"
 
 
@@ -100,14 +103,15 @@ def container_config(name: str, quota: int, memory: int) -> dict[str, Any]:
 
 
 def cgroup_file(pid: int, controller: str, name: str) -> str:
-    """A file of the container's own cgroup (v1: the controller's hierarchy; v2: the unified one)."""
+    """A file of the container's own cgroup (v1: the controller's hierarchy; v2: the unified one,
+    where the CPUs it gets are ``cpuset.cpus.effective``)."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, ctrls, path = line.split(":", 2)
         if controller in ctrls.split(","):
             return (Path("/sys/fs/cgroup") / controller / path.lstrip("/") / name).read_text().strip()
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         if line.startswith("0::"):
-            v2 = {"cpuset.cpus": "cpuset.cpus", "memory.limit_in_bytes": "memory.max"}[name]
+            v2 = {"cpuset.cpus": "cpuset.cpus.effective", "memory.limit_in_bytes": "memory.max"}[name]
             return (Path("/sys/fs/cgroup") / line[3:].lstrip("/") / v2).read_text().strip()
     raise AssertionError(f"no {controller} cgroup for pid {pid}")
 
@@ -176,15 +180,18 @@ def guaranteed(cri: Crictl, client: Any, pod: str, pod_json: str, name: str) -> 
         f"{slot['name'][:20]}... exclusive cpuset {assignment['cpuset']} numa {assignment['numa_nodes']}; "
         f"container cgroup cpuset.cpus={cpuset} memory limit={memory}; its task's Cpus_allowed_list={allowed}"
     )
+    assert memory == str(64 << 20), memory
+    if OBSERVE_PARTITIONING:
+        say(f"host partitioning on: the container runs on {allowed}, its slot has {assignment['cpuset']}")
+        return ctr, slot
     assert cpuset == assignment["cpuset"], (cpuset, assignment["cpuset"])
     assert allowed == assignment["cpuset"], (allowed, assignment["cpuset"])
-    assert memory == str(64 << 20), memory
     return ctr, slot
 
 
 def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: Path) -> None:
     work: Path = args.work
-    client = daemon.start()
+    client = daemon.start(timeout=180)  # a slow emulated VM takes a while to import
     say(f"agent up ({daemon.url}, unix socket {daemon.config.parent / 'agent.sock'})")
     shim = start_shim(args, daemon, shim_log)
     say("shim registered with containerd's NRI")
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     say(f"too big: crictl create failed: {reason[-400:]}")
     assert "nodeagent refused (409 does_not_fit)" in reason, reason
     assert nri_slots(client) == []
-    say("PASS")
+    say("PASS (host partitioning observed, not checked)" if OBSERVE_PARTITIONING else "PASS")
 
 
 def clean_up(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl) -> None:
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     daemon = DaemonProcess(
         agent_dir,
         f'[api]\nunix_socket = "{sock}"\n\n'
-        f'[isolation]\ncgroup_parent = "{PARENT}"\nnetns_prefix = "nn{os.getpid()}-"\nveth_prefix = "nne"\n'
+        f'[isolation]\nhost_partitioning = "{"auto" if OBSERVE_PARTITIONING else "off"}"\n'
+        f'cgroup_parent = "{PARENT}"\nnetns_prefix = "nn{os.getpid()}-"\nveth_prefix = "nne"\n'
         f'firewall_table = "natestnri{os.getpid()}"\n\n[kubernetes]\nnri = true\n',
     )
     cri = Crictl(args.bin / "crictl", args.work)
