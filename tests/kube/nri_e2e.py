@@ -7,7 +7,8 @@ Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
 1. a Guaranteed-like container (quota 100000 / period 100000, 64 MiB) gets a guaranteed slot, and the
    container's own cgroup has the slot's exclusive CPU as its cpuset and the slot's memory limit;
 2. a container removed while the shim is down has its slot released at the shim's next Synchronize;
-3. a running container keeps its slot (the same id) across a shim restart;
+3. a running container keeps its slot (the same id) across a shim restart and an agent SIGKILL
+   and restart;
 4. stopping and removing the container releases the slot;
 5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
    and leaves no slot.
@@ -222,6 +223,12 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     shim = start_shim(args, daemon, shim_log)
     assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
     say("shim restarted with the container running: Synchronize kept its slot")
+
+    # 3b. The agent killed (SIGKILL) and started again: the slot is still held, the same one.
+    daemon.kill()
+    client = daemon.start(timeout=180)
+    assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
+    say("agent SIGKILLed and restarted with the container running: its slot is still held")
 
     # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
     cri.run("stop", second)
