@@ -19,7 +19,10 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/signal"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/containerd/nri/pkg/api"
@@ -74,6 +77,10 @@ type plugin struct {
 	client  *http.Client
 	token   string
 	timeout time.Duration
+	// lost: a call found the agent unreachable. The agent has then missed events (a container
+	// stopped meanwhile keeps its slot), so once it answers again the shim registers anew, and
+	// containerd's Synchronize at registration brings the agent up to date.
+	lost atomic.Bool
 }
 
 // call sends one request to the agent and decodes its JSON answer into out (nil: none expected).
@@ -98,6 +105,7 @@ func (p *plugin) call(ctx context.Context, method, path string, body, out any) e
 	}
 	resp, err := p.client.Do(req)
 	if err != nil {
+		p.lost.Store(true)
 		return fmt.Errorf("nodeagent did not answer %s %s: %w", method, path, err)
 	}
 	defer resp.Body.Close()
@@ -219,6 +227,41 @@ func (p *plugin) Synchronize(ctx context.Context, pods []*api.PodSandbox, ctrs [
 	return updates, nil
 }
 
+// ready: the agent answers /readyz (no token needed) with 200.
+func (p *plugin) ready(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://nodeagent/readyz", nil)
+	if err != nil {
+		return false
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return false
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// watch ends the registration (cancel) once the agent answers again after it was lost.
+func (p *plugin) watch(ctx context.Context, cancel context.CancelFunc) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			if p.lost.Load() && p.ready(ctx) {
+				p.lost.Store(false)
+				fmt.Fprintln(os.Stderr, "nri-shim: the agent answers again: registering anew to synchronize it")
+				cancel()
+				return
+			}
+		}
+	}
+}
+
 func main() {
 	agentSocket := flag.String("agent-socket", "/run/nodeagent/api.sock", "the agent's API unix socket ([api] unix_socket)")
 	tokenFile := flag.String("token-file", "/var/lib/nodeagent/token", "the agent's API token file")
@@ -245,13 +288,26 @@ func main() {
 			MaxIdleConns: 4,
 		}},
 	}
-	s, err := stub.New(p, stub.WithPluginName(*name), stub.WithPluginIdx(*idx), stub.WithSocketPath(*nriSocket))
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "nri-shim: %v\n", err)
-		os.Exit(1)
-	}
-	if err := s.Run(context.Background()); err != nil {
-		fmt.Fprintf(os.Stderr, "nri-shim: %v\n", err)
-		os.Exit(1)
+	stop, _ := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	// One registration per turn: a lost agent that answers again, or containerd going away
+	// (a restart), ends it; the next one gets containerd's Synchronize. Only a signal ends the shim.
+	for stop.Err() == nil {
+		s, err := stub.New(p, stub.WithPluginName(*name), stub.WithPluginIdx(*idx), stub.WithSocketPath(*nriSocket),
+			stub.WithOnClose(func() {}))
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: %v\n", err)
+			os.Exit(1)
+		}
+		ctx, cancel := context.WithCancel(stop)
+		go p.watch(ctx, cancel)
+		err = s.Run(ctx)
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: %v; registering again in 1s\n", err)
+			select {
+			case <-stop.Done():
+			case <-time.After(time.Second):
+			}
+		}
 	}
 }

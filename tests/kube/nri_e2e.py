@@ -8,7 +8,8 @@ Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
    container's own cgroup has the slot's exclusive CPU as its cpuset and the slot's memory limit;
 2. a container removed while the shim is down has its slot released at the shim's next Synchronize;
 3. a running container keeps its slot (the same id) across a shim restart and an agent SIGKILL
-   and restart;
+   and restart; removed while the agent is down, its slot is released once the agent is back (the
+   shim registers anew and containerd synchronizes it);
 4. stopping and removing the container releases the slot;
 5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
    and leaves no slot.
@@ -230,10 +231,21 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
     say("agent SIGKILLed and restarted with the container running: its slot is still held")
 
-    # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
+    # 3c. The container goes while the agent is down: the shim's calls fail, and once the agent
+    # answers again the shim registers anew; containerd's Synchronize releases the slot.
+    daemon.kill()
     cri.run("stop", second)
-    assert nri_slots(client) == [], nri_slots(client)
     cri.run("rm", second)
+    client = daemon.start(timeout=180)
+    back = client
+    wait_until("the shim to register anew and synchronize", lambda: nri_slots(back) == [], timeout=30)
+    say("container removed while the agent was down: released at the shim's new registration's Synchronize")
+
+    # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
+    third, _ = guaranteed(cri, client, pod, pod_json, "third")
+    cri.run("stop", third)
+    assert nri_slots(client) == [], nri_slots(client)
+    cri.run("rm", third)
     assert nri_slots(client) == []
     say("container stopped and removed: slot released")
 
