@@ -7,9 +7,9 @@ Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
 1. a Guaranteed-like container (quota 100000 / period 100000, 64 MiB) gets a guaranteed slot, and the
    container's own cgroup has the slot's exclusive CPU as its cpuset and the slot's memory limit;
 2. a container removed while the shim is down has its slot released at the shim's next Synchronize;
-3. a running container keeps its slot (the same id) across a shim restart and an agent SIGKILL
-   and restart; removed while the agent is down, its slot is released once the agent is back (the
-   shim registers anew and containerd synchronizes it);
+3. a running container keeps its slot (the same id) across a shim restart, a containerd restart
+   and an agent SIGKILL and restart; removed while the agent is down, its slot is released once
+   the agent is back (the shim registers anew and containerd synchronizes it);
 4. stopping and removing the container releases the slot;
 5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
    and leaves no slot.
@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,8 @@ PARENT = f"natestnri{os.getpid()}.slice"
 #: container ends up instead of asserting it (for a VM only: it confines every task of the host).
 OBSERVE_PARTITIONING = os.environ.get("NRI_E2E_HOST_PARTITIONING", "off") == "auto"
 NRI_PREFIX = "nri-"
+#: What containerd logs once a plugin registered and its Synchronize is done.
+SYNCHRONIZED = 'plugin \\"10-nodeagent\\" connected and synchronized'
 
 
 def say(text: str) -> None:
@@ -125,8 +128,7 @@ def nri_slots(client: Any) -> list[dict[str, Any]]:
 
 def start_shim(args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path) -> subprocess.Popen[bytes]:
     """Start the shim and wait until containerd has registered it (and synchronized it)."""
-    containerd_log = args.work / "log" / "containerd.log"
-    seen = containerd_log.read_text().count("nodeagent")
+    seen = registrations(args)
     with shim_log.open("ab") as log:
         shim = subprocess.Popen(
             [
@@ -144,10 +146,35 @@ def start_shim(args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path) 
     args.procs.append(shim)
     wait_until(
         "containerd to register the shim",
-        lambda: shim.poll() is None and containerd_log.read_text().count("nodeagent") > seen,
+        lambda: shim.poll() is None and registrations(args) > seen,
         timeout=30,
     )
     return shim
+
+
+def registrations(args: argparse.Namespace) -> int:
+    """How often containerd's current log says it registered and synchronized the shim."""
+    return (args.work / "log" / "containerd.log").read_text().count(SYNCHRONIZED)
+
+
+def restart_containerd(args: argparse.Namespace, cri: Crictl) -> None:
+    """Stop the containerd kube/cluster started (by its recorded pid) and start it again the same
+    way, recording the new pid for ``kube/cluster stop``; its log starts afresh."""
+    pid_file = args.work / "pid" / "containerd"
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGTERM)
+    wait_until("containerd to stop", lambda: not Path(f"/proc/{pid}").exists(), timeout=30)
+    with (args.work / "log" / "containerd.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [str(args.bin / "containerd"), "--config", str(args.work / "containerd" / "config.toml")],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    pid_file.write_text(f"{proc.pid}\n")
+    args.containerd = proc
+    wait_until("containerd to answer", lambda: cri.run("version", check=False).returncode == 0, timeout=60)
 
 
 def stop_shim(shim: subprocess.Popen[bytes]) -> None:
@@ -224,6 +251,14 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     shim = start_shim(args, daemon, shim_log)
     assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
     say("shim restarted with the container running: Synchronize kept its slot")
+
+    # 3a. containerd restarted with the container running: the shim registers again, and the
+    # Synchronize of that registration keeps the slot.
+    restart_containerd(args, cri)
+    wait_until("the shim to register with the new containerd", lambda: registrations(args) > 0, timeout=60)
+    assert shim.poll() is None, "the shim ended with containerd"
+    assert [s["id"] for s in nri_slots(client)] == [slot["id"]], nri_slots(client)
+    say("containerd restarted with the container running: the shim registered again, the slot kept")
 
     # 3b. The agent killed (SIGKILL) and started again: the slot is still held, the same one.
     daemon.kill()
