@@ -10,7 +10,8 @@ Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
 3. a running container keeps its slot (the same id) across a shim restart, a containerd restart
    and an agent SIGKILL and restart; removed while the agent is down, its slot is released once
    the agent is back (the shim registers anew and containerd synchronizes it);
-4. stopping and removing the container releases the slot;
+4. a REST guaranteed slot beside a container's never gets its CPU (one ledger); stopping and
+   removing the container releases the slot;
 5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
    and leaves no slot.
 
@@ -277,7 +278,19 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     say("container removed while the agent was down: released at the shim's new registration's Synchronize")
 
     # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
-    third, _ = guaranteed(cri, client, pod, pod_json, "third")
+    third, held = guaranteed(cri, client, pod, pod_json, "third")
+
+    # One ledger: a REST slot cannot take the container's CPU (it gets another, or does not fit).
+    body = {"name": "e2e-rest", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "32Mi"}}
+    rest = client.post("/v1/slots", json=body)  # (left over, uninstall --release-slots takes it)
+    assert rest.status_code in (201, 409), rest.text
+    if rest.status_code == 201:
+        theirs = rest.json()["assignment"]["cpus"]
+        assert not set(theirs) & set(held["assignment"]["cpus"]), (theirs, held["assignment"])
+        assert client.delete("/v1/slots/e2e-rest").status_code == 204
+        say(f"a REST guaranteed slot got CPU(s) {theirs}, not the container's {held['assignment']['cpuset']}")
+    else:
+        say(f"a REST guaranteed slot does not fit beside the container: {rest.json()['error']['message']}")
     cri.run("stop", third)
     assert nri_slots(client) == [], nri_slots(client)
     cri.run("rm", third)
