@@ -12,6 +12,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -81,7 +82,16 @@ type plugin struct {
 	// stopped meanwhile keeps its slot), so once it answers again the shim registers anew, and
 	// containerd's Synchronize at registration brings the agent up to date.
 	lost atomic.Bool
+	// failOpen: an unreachable agent lets the container be created as the kubelet asked (a refusal
+	// still fails it); the Synchronize after the agent is back places it.
+	failOpen bool
 }
+
+// unreachable: the agent did not answer (as opposed to answering with a refusal).
+type unreachable struct{ err error }
+
+func (u unreachable) Error() string { return u.err.Error() }
+func (u unreachable) Unwrap() error { return u.err }
 
 // call sends one request to the agent and decodes its JSON answer into out (nil: none expected).
 func (p *plugin) call(ctx context.Context, method, path string, body, out any) error {
@@ -106,7 +116,7 @@ func (p *plugin) call(ctx context.Context, method, path string, body, out any) e
 	resp, err := p.client.Do(req)
 	if err != nil {
 		p.lost.Store(true)
-		return fmt.Errorf("nodeagent did not answer %s %s: %w", method, path, err)
+		return unreachable{fmt.Errorf("nodeagent did not answer %s %s: %w", method, path, err)}
 	}
 	defer resp.Body.Close()
 	data, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
@@ -159,6 +169,11 @@ func describe(pod *api.PodSandbox, ctr *api.Container) container {
 func (p *plugin) CreateContainer(ctx context.Context, pod *api.PodSandbox, ctr *api.Container) (*api.ContainerAdjustment, []*api.ContainerUpdate, error) {
 	var a adjustment
 	if err := p.call(ctx, http.MethodPost, "/v1/nri/containers", describe(pod, ctr), &a); err != nil {
+		var u unreachable
+		if p.failOpen && errors.As(err, &u) {
+			fmt.Fprintf(os.Stderr, "nri-shim: container %s created unplaced (-fail-open): %v\n", ctr.GetId(), err)
+			return nil, nil, nil
+		}
 		return nil, nil, err
 	}
 	adj := &api.ContainerAdjustment{}
@@ -269,6 +284,7 @@ func main() {
 	name := flag.String("name", "nodeagent", "plugin name")
 	idx := flag.String("idx", "10", "plugin index (its order among NRI plugins)")
 	timeout := flag.Duration("timeout", 2*time.Second, "how long one call to the agent may take")
+	failOpen := flag.Bool("fail-open", false, "create containers unplaced while the agent does not answer (a refusal still fails them)")
 	flag.Parse()
 
 	raw, err := os.ReadFile(*tokenFile)
@@ -278,8 +294,9 @@ func main() {
 	}
 	sock := *agentSocket
 	p := &plugin{
-		token:   strings.TrimSpace(string(raw)),
-		timeout: *timeout,
+		token:    strings.TrimSpace(string(raw)),
+		timeout:  *timeout,
+		failOpen: *failOpen,
 		client: &http.Client{Transport: &http.Transport{
 			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 				var d net.Dialer

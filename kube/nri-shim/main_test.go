@@ -126,3 +126,25 @@ func TestSynchronizeLeavesStoppedContainersOutAndTurnsUpdates(t *testing.T) {
 		t.Fatalf("updates %+v", updates)
 	}
 }
+
+func TestFailOpenCreatesUnplacedOnlyWhileTheAgentDoesNotAnswer(t *testing.T) {
+	p := fakeAgent(t, func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+	p.timeout = 100 * time.Millisecond
+	p.failOpen = true
+	pod, ctr := guaranteedContainer()
+	adj, _, err := p.CreateContainer(context.Background(), pod, ctr)
+	if err != nil || adj != nil {
+		t.Fatalf("fail-open: %v %v", adj, err)
+	}
+	if !p.lost.Load() {
+		t.Fatal("the agent is not marked lost: no Synchronize would place the container later")
+	}
+	refusing := fakeAgent(t, func(w http.ResponseWriter, _ *http.Request) {
+		w.WriteHeader(http.StatusUnprocessableEntity)
+		_, _ = w.Write([]byte(`{"error":{"code":"invalid_request","message":"unknown annotation"}}`))
+	})
+	refusing.failOpen = true
+	if _, _, err := refusing.CreateContainer(context.Background(), pod, ctr); err == nil {
+		t.Fatal("a refusal must fail the creation even with -fail-open")
+	}
+}
