@@ -9,7 +9,8 @@ Run by ``kube/nri-e2e`` (root; the components from kube/build's cache). Checks:
 2. a container removed while the shim is down has its slot released at the shim's next Synchronize;
 3. a running container keeps its slot (the same id) across a shim restart, a containerd restart
    and an agent SIGKILL and restart; removed while the agent is down, its slot is released once
-   the agent is back (the shim registers anew and containerd synchronizes it);
+   the agent is back (the shim registers anew and containerd synchronizes it); with
+   ``-fail-open`` a container created while the agent is down is placed by that Synchronize;
 4. a REST guaranteed slot beside a container's never gets its CPU (one ledger); stopping and
    removing the container releases the slot;
 5. a container asking for more CPUs than the host has fails its creation with the agent's reason,
@@ -122,12 +123,20 @@ def cgroup_file(pid: int, controller: str, name: str) -> str:
     raise AssertionError(f"no {controller} cgroup for pid {pid}")
 
 
+def cpus_of(cri: Crictl, ctr: str) -> str:
+    """The CPUs the container's cgroup gives it."""
+    pid = int(json.loads(cri.run("inspect", ctr).stdout)["info"]["pid"])
+    return cgroup_file(pid, "cpuset", "cpuset.cpus")
+
+
 def nri_slots(client: Any) -> list[dict[str, Any]]:
     slots = client.get("/v1/slots").json()["slots"]
     return [s for s in slots if s["name"].startswith(NRI_PREFIX)]
 
 
-def start_shim(args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path) -> subprocess.Popen[bytes]:
+def start_shim(
+    args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path, *extra: str
+) -> subprocess.Popen[bytes]:
     """Start the shim and wait until containerd has registered it (and synchronized it)."""
     seen = registrations(args)
     with shim_log.open("ab") as log:
@@ -140,6 +149,7 @@ def start_shim(args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path) 
                 str(daemon.token_file),
                 "-nri-socket",
                 str(args.work / "containerd" / "nri.sock"),
+                *extra,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -276,6 +286,27 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     back = client
     wait_until("the shim to register anew and synchronize", lambda: nri_slots(back) == [], timeout=30)
     say("container removed while the agent was down: released at the shim's new registration's Synchronize")
+
+    # 3d. -fail-open: a container created while the agent is down runs unplaced; the Synchronize
+    # once the agent is back allocates its slot and the shim's update moves it onto the slot's CPU.
+    stop_shim(shim)
+    shim = start_shim(args, daemon, shim_log, "-fail-open")
+    daemon.kill()
+    late = cri.run("create", pod, cri.write("late", container_config("late", 100_000, 64 << 20)), pod_json)
+    late_id = late.stdout.strip()
+    cri.run("start", late_id)
+    before = cpus_of(cri, late_id)
+    client = daemon.start(timeout=180)
+    again = client
+    wait_until("the Synchronize to place the late container", lambda: len(nri_slots(again)) == 1, timeout=30)
+    late_slot = nri_slots(client)[0]
+    assert late_slot["name"] == NRI_PREFIX + late_id[:59], late_slot
+    wanted = late_slot["assignment"]["cpuset"]
+    wait_until("the update to reach the container", lambda: cpus_of(cri, late_id) == wanted, timeout=10)
+    say(f"-fail-open: created with the agent down (CPUs {before}), put on its slot's {wanted} by Synchronize")
+    cri.run("stop", late_id)
+    cri.run("rm", late_id)
+    assert nri_slots(client) == []
 
     # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
     third, held = guaranteed(cri, client, pod, pod_json, "third")
