@@ -93,7 +93,7 @@ from nodeagent.errors import (
     PlacementError,
     Unsupported,
 )
-from nodeagent.schema.errors import describe_errors
+from nodeagent.schema.messages import describe_errors
 from nodeagent.schema.nri import (
     CONTAINER_ID_PATTERN,
     NriAdjustment,

@@ -175,7 +175,7 @@ class SystemdConfig:
 
 @dataclass(frozen=True)
 class QosConfig:
-    """The QoS loop (agent/qos.py, docs/colocation.md): best-effort work in what online slots leave."""
+    """The QoS loop (agent/qos_loop.py, docs/colocation.md): best-effort work in what online slots leave."""
 
     enabled: bool = True
     period_seconds: float = 1.0

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nodeagent.errors import CgroupError, InvalidRequest, WorkerError
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox.paths import describe, meets_hidden
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, WorkerHandle

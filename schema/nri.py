@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from nodeagent.schema.base import AsTuple, StrictModel
+from nodeagent.schema.strict import AsTuple, StrictModel
 
 #: containerd's ids are 64 hex digits; allow any runtime's safe identifier.
 CONTAINER_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
