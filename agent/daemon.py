@@ -633,7 +633,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     try:
         if reporter is not None:
             reporter.start()
-        app = create_app(manager, token=token, metrics=metrics)
+        app = create_app(manager, token=token, metrics=metrics, nri=config.kubernetes.nri)
         server = uvicorn.Server(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:
