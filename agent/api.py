@@ -94,7 +94,7 @@ from nodeagent.errors import (
     Unsupported,
 )
 from nodeagent.schema.messages import describe_errors
-from nodeagent.schema.nri import (
+from nodeagent.schema.nri_messages import (
     CONTAINER_ID_PATTERN,
     NriAdjustment,
     NriContainer,

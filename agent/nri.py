@@ -28,7 +28,7 @@ from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
 from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import InvalidRequest, NodeAgentError, NotFound
-from nodeagent.schema.nri import NriAdjustment, NriContainer, NriSyncResult
+from nodeagent.schema.nri_messages import NriAdjustment, NriContainer, NriSyncResult
 from nodeagent.schema.quantity import MILLI
 from nodeagent.schema.request import NAME_PATTERN, QoS, SlotRequest, parse_slot_request
 

@@ -12,7 +12,7 @@ from nodeagent.agent.api import create_app
 from nodeagent.agent.nri import SLOT_PREFIX, slot_name, slot_request
 from nodeagent.agent.slot import SlotState
 from nodeagent.errors import InvalidRequest
-from nodeagent.schema.nri import NriContainer
+from nodeagent.schema.nri_messages import NriContainer
 from tests.agent.fake_service import FakeSlotService
 from tests.agent.test_api import AUTH, TOKEN, AppClient, error_of
 
