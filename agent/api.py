@@ -13,6 +13,11 @@ Paths (JSON; versioned under /v1)::
     DELETE /v1/slots/{id}              release: 204, no body
     POST   /v1/slots/{id}/worker       start its worker (optional WorkerSpec body) -> Slot
     DELETE /v1/slots/{id}/worker       stop its worker -> Slot
+    POST   /v1/nri/containers          a container the NRI shim saw created -> its slot's adjustment
+                                       (idempotent by container id; 409 does_not_fit, 422 refused)
+    DELETE /v1/nri/containers/{id}     the container stopped or was removed: release its slot (204)
+    POST   /v1/nri/synchronize         every container the runtime has: keep, release, allocate
+                                       (422 unsupported unless ``[kubernetes] nri = true``)
     GET    /v1/slots/{id}/logs?lines=N the last N (1..10000, default 100) lines of worker output
     GET    /v1/slots/{id}/cdi          the slot's CDI spec (kind nodeagent.io/slot) for container runtimes
     GET    /healthz                    the process answers (no token)
@@ -73,6 +78,8 @@ from nodeagent.agent.api_models import (
     error_responses,
 )
 from nodeagent.agent.metrics import Metrics
+from nodeagent.agent.nri import SLOT_PREFIX as NRI_SLOT_PREFIX
+from nodeagent.agent.nri import NriContainers
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import topology_to_dict
@@ -86,7 +93,14 @@ from nodeagent.errors import (
     PlacementError,
     Unsupported,
 )
-from nodeagent.schema.errors import describe_errors
+from nodeagent.schema.messages import describe_errors
+from nodeagent.schema.nri_messages import (
+    CONTAINER_ID_PATTERN,
+    NriAdjustment,
+    NriContainer,
+    NriSynchronize,
+    NriSyncResult,
+)
 from nodeagent.schema.request import NAME_PATTERN, Resize, SlotRequest
 from nodeagent.schema.worker import WorkerSpec
 
@@ -158,8 +172,6 @@ SlotId = Annotated[
 ]
 
 
-
-
 def create_app(
     service: SlotService,
     *,
@@ -167,6 +179,7 @@ def create_app(
     metrics: Metrics | None = None,
     metrics_auth: bool = True,
     max_body_bytes: int = MAX_BODY_BYTES,
+    nri: bool = False,
 ) -> FastAPI:
     """The agent's ASGI app over ``service``; every /v1 path and (by default) /metrics need ``token``."""
     if not token.strip():
@@ -180,7 +193,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    _add_routes(app, service, metrics)
+    _add_routes(app, service, metrics, nri)
+    _add_nri_routes(app, service, nri)
     _add_error_handlers(app)
     public = PUBLIC_PATHS if metrics_auth else PUBLIC_PATHS | {"/metrics"}
     # Added innermost first: requests meet latency timing, then the token check, then the size limit.
@@ -202,9 +216,9 @@ def _require_ready(service: SlotService) -> None:
         )
 
 
-def _add_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> None:
+def _add_routes(app: FastAPI, service: SlotService, metrics: Metrics, nri: bool) -> None:
     _add_node_routes(app, service, metrics)
-    _add_slot_routes(app, service)
+    _add_slot_routes(app, service, nri)
 
 
 def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> None:
@@ -254,7 +268,7 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
         return JSONResponse(service.capacity())
 
 
-def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
+def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool) -> None:
     @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=error_responses(401))
     def list_slots() -> JSONResponse:
         return JSONResponse({"slots": [s.to_json() for s in service.list_slots()]})
@@ -272,6 +286,11 @@ def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
     )
     def allocate(body: SlotRequest) -> JSONResponse:
         _require_ready(service)
+        if nri and body.name.startswith(NRI_SLOT_PREFIX):
+            raise InvalidRequest(
+                f"name: {body.name!r} starts with {NRI_SLOT_PREFIX!r}, which names the slots of containers "
+                "placed through NRI; choose a name without that prefix"
+            )
         result = service.allocate(body)
         if not result.created:
             return _slot_json(result.slot)
@@ -306,6 +325,56 @@ def _add_slot_routes(app: FastAPI, service: SlotService) -> None:
         return Response(status_code=204)
 
     _add_worker_routes(app, service)
+
+
+def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
+    """The NRI shim's calls (kube/nri-shim); every decision is agent.nri's."""
+    containers = NriContainers(service)
+
+    def require_nri() -> None:
+        if not enabled:
+            raise Unsupported(
+                "this agent does not place containers from NRI; set [kubernetes] nri = true in its config "
+                "and restart it"
+            )
+        _require_ready(service)
+
+    @app.post(
+        "/v1/nri/containers",
+        tags=["nri"],
+        summary="A container is being created: place it as a slot (idempotent by container id)",
+        response_model=NriAdjustment,
+        responses=_WRITE_ERRORS,
+    )
+    def nri_create(body: NriContainer) -> JSONResponse:
+        require_nri()
+        return JSONResponse(containers.create(body).model_dump(mode="json"))
+
+    @app.delete(
+        "/v1/nri/containers/{container_id}",
+        tags=["nri"],
+        summary="A container stopped or was removed: release its slot (204 also when it had none)",
+        status_code=204,
+        response_class=Response,
+        responses=_WRITE_ERRORS,
+    )
+    def nri_remove(
+        container_id: Annotated[str, Path(pattern=f"^{CONTAINER_ID_PATTERN.pattern}$", max_length=128)],
+    ) -> Response:
+        require_nri()
+        containers.remove(container_id)
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/nri/synchronize",
+        tags=["nri"],
+        summary="Every container the runtime has: keep their slots, release the others, place new ones",
+        response_model=NriSyncResult,
+        responses=_WRITE_ERRORS,
+    )
+    def nri_synchronize(body: NriSynchronize) -> JSONResponse:
+        require_nri()
+        return JSONResponse(containers.synchronize(body.containers).model_dump(mode="json"))
 
 
 def _add_worker_routes(app: FastAPI, service: SlotService) -> None:

@@ -175,7 +175,7 @@ class SystemdConfig:
 
 @dataclass(frozen=True)
 class QosConfig:
-    """The QoS loop (agent/qos.py, docs/colocation.md): best-effort work in what online slots leave."""
+    """The QoS loop (agent/qos_loop.py, docs/colocation.md): best-effort work in what online slots leave."""
 
     enabled: bool = True
     period_seconds: float = 1.0
@@ -218,6 +218,13 @@ class ContainersConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    #: place containers the NRI shim (kube/nri-shim) forwards as slots (POST /v1/nri/...); slot
+    #: names starting with "nri-" are then reserved for them
+    nri: bool = False
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
 
@@ -237,6 +244,7 @@ class AgentConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     cdi: CdiConfig = field(default_factory=CdiConfig)
     containers: ContainersConfig = field(default_factory=ContainersConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     #: The file this came from (None: built-in defaults).
     source: str | None = None
 
@@ -302,6 +310,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "sandbox": SandboxConfig,
     "cdi": CdiConfig,
     "containers": ContainersConfig,
+    "kubernetes": KubernetesConfig,
 }
 
 
@@ -643,6 +652,7 @@ __all__ = [
     "ControllerConfig",
     "GpuConfig",
     "IsolationConfig",
+    "KubernetesConfig",
     "LogConfig",
     "PlacementConfig",
     "QosConfig",

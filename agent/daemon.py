@@ -6,10 +6,10 @@ slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/
 for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but not the workers: they
 are the host keeper's children (runtime/keeper.py, which outlives the agent too), and the next
 start re-attaches to the keeper and re-adopts them (unless this is a stop, not a restart, and
-``[workers] on_agent_stop = "stop"``: agent/systemd.py).
+``[workers] on_agent_stop = "stop"``: agent/under_systemd.py).
 
 Logs go to the journal as structured entries when systemd connected stdout to it (agent/journal.py),
-else as JSON lines on stdout. Under systemd, cgroups go where a unit delegates them (agent/systemd.py).
+else as JSON lines on stdout. Under systemd, cgroups go where a unit delegates them (agent/under_systemd.py).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.ballast import Ballast
-from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.journal import journal_handler
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
 from nodeagent.agent.sandbox import SandboxPolicy
 from nodeagent.agent.slot import Slot
+from nodeagent.agent.slot_cdi import SlotCdiSpecs
 from nodeagent.agent.state import StateStore
-from nodeagent.agent.systemd import (
+from nodeagent.agent.under_systemd import (
     CgroupLayout,
     cgroup_layout,
     check_slot_cgroups,
@@ -46,6 +46,7 @@ from nodeagent.agent.systemd import (
     stop_workers_with_agent,
     take_stopped_workers,
 )
+from nodeagent.atomicfile import write_atomic
 from nodeagent.cgroups import CgroupHost, CgroupManager, CgroupStats, detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.devices.topology import Topology
@@ -54,11 +55,11 @@ from nodeagent.isolation.backend import IsolationBackend, KernelIsolation, NoIso
 from nodeagent.isolation.cdi import CdiSpecDir
 from nodeagent.isolation.cpus import CpuLayout
 from nodeagent.isolation.host import HostReport, validate_parts
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import KernelHostPartitioning, build_host_partitioning, host_partitioner
 from nodeagent.isolation.qos import QosDefaults
-from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 from nodeagent.placement import placement_index
 from nodeagent.runtime.container import PodmanConfig, default_runtime
 from nodeagent.runtime.keeper_client import KeeperClient
@@ -67,7 +68,7 @@ from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
     from nodeagent.agent.metrics import Metrics
-    from nodeagent.agent.qos import QosLoop
+    from nodeagent.agent.qos_loop import QosLoop
     from nodeagent.agent.reporter import Reporter
     from nodeagent.isolation.api_guard import ApiGuard
 
@@ -169,17 +170,9 @@ def ensure_token(path: Path) -> str:
     if token:
         return token
     token = secrets.token_urlsafe(32)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, (token + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_atomic(path, token + "\n", mode=0o600, durable=True)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         if err.errno in NO_SPACE:
             raise InsufficientStorage(
                 f"cannot create the API token {path}: its filesystem is full; free space there, then start "
@@ -197,7 +190,8 @@ def build_isolation(
 ) -> IsolationBackend:
     """The isolator when this host lets us create cgroups; else the unisolated stand-in, with why.
 
-    ``layout`` (systemd: agent/systemd.py) says where slots go; without it, ``[isolation] cgroup_parent``.
+    ``layout`` (systemd: agent/under_systemd.py) says where slots go; without it,
+    ``[isolation] cgroup_parent``.
     """
     # systemd: slots go below the delegated cgroup, or nowhere when systemd delegates none.
     if layout is not None and layout.refused is not None:
@@ -430,7 +424,7 @@ def _reporter(
 
 def _qos_loop(config: AgentConfig, manager: SlotManager, metrics: Metrics) -> QosLoop | None:
     """The QoS loop (best-effort in what online slots leave), started, when this agent isolates."""
-    from nodeagent.agent.qos import build_qos_loop  # noqa: PLC0415 - not on the CLI's import path
+    from nodeagent.agent.qos_loop import build_qos_loop  # noqa: PLC0415 - not on the CLI's import path
 
     loop = build_qos_loop(config, manager)
     if loop is None:
@@ -639,7 +633,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     try:
         if reporter is not None:
             reporter.start()
-        app = create_app(manager, token=token, metrics=metrics)
+        app = create_app(manager, token=token, metrics=metrics, nri=config.kubernetes.nri)
         server = uvicorn.Server(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:

@@ -29,6 +29,7 @@ from nodeagent.isolation.host import PF_KTHREAD, PF_NO_SETAFFINITY, PF_WQ_WORKER
 from nodeagent.isolation.host_kernel import IrqBalance, interrupt_names, parse_stat
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.procfmt import meminfo_bytes, parse_meminfo
 from nodeagent.runtime.podman_facts import PodmanFacts, podman_facts
 
 Status = Literal["OK", "WARN", "FAIL"]
@@ -60,10 +61,21 @@ def _default_bpf_probe() -> str | None:
 
 
 def _default_firewall_probe() -> str | None:
-    """Send the slot firewall's rules to the kernel in dry-run mode; None when they would load."""
-    from nodeagent.isolation.firewall import NftFirewall  # noqa: PLC0415 - ctypes, only here
+    """Send the slot firewall's rules, and the rules that keep slots without a network off other
+    local listeners (isolation/api_guard.py), to the kernel in dry-run mode; None when they would
+    load."""
+    from nodeagent.isolation.api_guard import LocalDeny, guard_commands  # noqa: PLC0415
+    from nodeagent.isolation.firewall import LibNftables, NftFirewall  # noqa: PLC0415 - ctypes, only here
 
-    return NftFirewall().problem()
+    problem = NftFirewall().problem()
+    if problem is not None:
+        return problem
+    commands = guard_commands("nodeagent_doctor", (600000, 665535), api_port=1, local_deny=LocalDeny())
+    try:
+        LibNftables().run(commands, dry_run=True)
+    except (NodeAgentError, OSError) as err:
+        return f"the rules for slots without a network do not load: {err}"
+    return None
 
 
 def _default_sandbox_probe() -> dict[str, str]:
@@ -279,9 +291,15 @@ def check_network_firewall(roots: HostRoots) -> Check:
             "WARN",
             problem,
             "install nftables (apt-get install nftables); until then slots that ask for a network are "
-            "refused, or run unfiltered with [isolation] allow_unfiltered_network = true",
+            "refused (or run unfiltered with [isolation] allow_unfiltered_network = true), and slots "
+            "without one reach the host's and each other's local listeners",
         )
-    return Check(name, "OK", "nftables (libnftables JSON API): the kernel accepts the slot rules (dry run)")
+    return Check(
+        name,
+        "OK",
+        "nftables (libnftables JSON API): the kernel accepts the slot rules and those keeping slots "
+        "without a network off other local listeners (dry run)",
+    )
 
 
 def check_sandbox(roots: HostRoots) -> Check:
@@ -660,12 +678,8 @@ def agent_checks(node: Mapping[str, Any], slots: Sequence[Mapping[str, Any]]) ->
 
 
 def _meminfo_kib(text: str | None, key: str) -> int | None:
-    for line in (text or "").splitlines():
-        fields = line.replace(":", " ").split()
-        # /proc/meminfo: "MemTotal: N kB"; node*/meminfo: "Node 0 MemTotal: N kB"
-        if key in fields and fields.index(key) + 1 < len(fields) and fields[fields.index(key) + 1].isdigit():
-            return int(fields[fields.index(key) + 1])
-    return None
+    size = meminfo_bytes(parse_meminfo(text or "").get(key))
+    return None if size is None else size // 1024
 
 
 def check_numa_memory(roots: HostRoots) -> Check:

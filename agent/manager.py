@@ -55,15 +55,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.cdi import SlotCdiSpecs, check_container, try_cdi
+from nodeagent.agent.parts import CdiPart, IdentityPart, LedgerPart, PortsPart
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
-from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths, taken_by_host
+from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
+from nodeagent.agent.slot_cdi import SlotCdiSpecs
 from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
-from nodeagent.agent.worker_logs import worker_log_entries
+from nodeagent.agent.worker_logs import WorkerLogs
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
     Conflict,
@@ -77,7 +78,6 @@ from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
-    Allocated,
     Assignment,
     PlacementOptions,
     capacity,
@@ -86,8 +86,8 @@ from nodeagent.placement import (
 )
 from nodeagent.runtime.limits import RlimitCeilings, host_ceilings
 from nodeagent.runtime.logs import LogLine
-from nodeagent.runtime.ports import Endpoint, SlotPort, in_use_on_host
-from nodeagent.runtime.presets import FindProgram, bind_address, resolve, wanted_ports
+from nodeagent.runtime.ports import in_use_on_host
+from nodeagent.runtime.presets import FindProgram, bind_address, resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.worker_kind import kind_of, slot_kind
@@ -157,7 +157,7 @@ class SlotManager:
         ``recovery``: what start-up does with busy slots the database does not name (agent.recovery).
         ``host``: keeps the rest of the host off exclusive CPUs and measures foreign CPU time (None:
         neither). ``sandbox``: the workers' sandbox (agent.sandbox), None for none. ``cdi``: where
-        each slot's CDI spec is kept (agent.cdi), None for no specs."""
+        each slot's CDI spec is kept (agent.slot_cdi), None for no specs."""
         self._store = store
         self._topology = topology
         self._isolation = isolation
@@ -168,13 +168,18 @@ class SlotManager:
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
-        self._cdi = cdi
-        self._port_range = port_range
-        self._port_in_use = port_in_use
+        self._cdi = CdiPart(cdi, store, topology, self._shared_pool)
+        self._ports = PortsPart(store, port_range, port_in_use)
+        self._identity = IdentityPart(store, sandbox)
         self._find_program = find_program
         self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
         self._host_memory = sum(node.memory_bytes or 0 for node in topology.numa_nodes)
-        self._log_retention = log_retention_seconds
+        self._logs = WorkerLogs(
+            runtime,
+            lambda key: self._view(self._slot(key)),
+            retention_seconds=log_retention_seconds,
+            clock=clock,
+        )
         self._started_at = clock()
         self._lock = threading.RLock()
         self._worker_status: dict[str, WorkerStatus] = {}
@@ -182,10 +187,34 @@ class SlotManager:
         self._subscribers: list[Callable[[], None]] = []
         self._ready = False
         self._host = host
-        self._host_ready = False  # set once reconcile knows which exclusive CPUs the slots hold
-        self._held = Allocated()
+        self._ledger = LedgerPart(host)
         self._qos: QosView | None = None
         self.report: ReconcileReport | None = None
+
+    @property
+    def ports(self) -> PortsPart:
+        """The slots' host ports (agent/parts.py)."""
+        return self._ports
+
+    @property
+    def worker_logs(self) -> WorkerLogs:
+        """Workers' output, and what released slots left (agent/worker_logs.py)."""
+        return self._logs
+
+    @property
+    def ledger(self) -> LedgerPart:
+        """What the slots hold, and the host partitioning that follows it (agent/parts.py)."""
+        return self._ledger
+
+    @property
+    def cdi(self) -> CdiPart:
+        """The slots' CDI specs (agent/parts.py)."""
+        return self._cdi
+
+    @property
+    def identity(self) -> IdentityPart:
+        """The slots' own uids for their sandboxed workers (agent/parts.py)."""
+        return self._identity
 
     @property
     def isolation(self) -> IsolationBackend:
@@ -193,26 +222,11 @@ class SlotManager:
         return self._isolation
 
     def attach_qos(self, view: QosView | None) -> None:
-        """Let the QoS loop (agent.qos) add its view to slots and capacity and bound best-effort
+        """Let the QoS loop (agent.qos_loop) add its view to slots and capacity and bound best-effort
         admission; None detaches it."""
         self._qos = view
 
     # ------------------------------------------------------------------ the ledger
-
-    @property
-    def _ledger(self) -> Allocated:
-        return self._held
-
-    @_ledger.setter
-    def _ledger(self, ledger: Allocated) -> None:
-        # The one place host partitioning is wired in: every change of what slots hold goes through
-        # here, and the host follows when the exclusive CPUs change. Allocate and resize change the
-        # ledger before isolation gives a slot its CPUs, release after the slot is gone, so the host
-        # is confined before a worker can run there and put back only once nothing runs there.
-        changed = ledger.cpus != self._held.cpus
-        self._held = ledger
-        if changed and self._host is not None and self._host_ready:
-            self._host.partition(ledger.cpus)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -240,7 +254,7 @@ class SlotManager:
         start takes over the record); with none left it is put back."""
         self._loop.close()
         if self._host is not None:
-            self._host.close(exclusive_held=bool(self._ledger.cpus))
+            self._host.close(exclusive_held=bool(self._ledger.held.cpus))
         self._runtime.close()
         self._store.close()
 
@@ -267,7 +281,7 @@ class SlotManager:
 
     def capacity(self) -> dict[str, Any]:
         with self._lock:
-            body = capacity(self._topology, self._ledger, self._options).to_dict()
+            body = capacity(self._topology, self._ledger.held, self._options).to_dict()
             slots = self._store.list_slots()
         counts: dict[str, int] = {str(s): 0 for s in SlotState}
         for slot in slots:
@@ -298,11 +312,7 @@ class SlotManager:
 
     def log_entries(self, slot_id: str, lines: int, since: str | None = None) -> tuple[str, list[LogLine]]:
         """The slot's id and its worker's last ``lines`` lines (agent/worker_logs.py)."""
-        return worker_log_entries(self, slot_id, lines, since)
-
-    def _prune_logs(self) -> None:
-        with contextlib.suppress(OSError):
-            self._runtime.prune_released(self._clock() - self._log_retention)
+        return self._logs.entries(slot_id, lines, since)
 
     def ready(self) -> bool:
         return self._ready
@@ -328,7 +338,7 @@ class SlotManager:
             if self._sandbox is not None:
                 self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
                 self._sandbox.check_arguments(resolved)
-            check_container(self._cdi, req.worker)
+            self._cdi.check(req.worker)
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -350,13 +360,15 @@ class SlotManager:
                 else:
                     return AllocateResult(self._view(existing), created=False)
             if self._qos is not None and req.qos == "best-effort":
-                held = self._ledger
+                held = self._ledger.held
                 self._qos.admit(
                     req,
                     held.quota_millis.get("best-effort", 0) / 1000,
                     held.memory_by_qos.get("best-effort", 0),
                 )
-            assignment = plan(self._topology, self._ledger, req, self._options, irq_load=self._irq_load())
+            assignment = plan(
+                self._topology, self._ledger.held, req, self._options, irq_load=self._irq_load()
+            )
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
             with self._store.transaction(durable=False):
@@ -375,8 +387,8 @@ class SlotManager:
                 if req.worker is not None:
                     # In the same commit: a port that is taken refuses the allocate before anything
                     # is placed or built, and the slot never exists without the ports it was told.
-                    self._assign_ports(slot.id, req.worker)
-            self._ledger = self._ledger.add(assignment)
+                    self._ports.reserve(slot.id, req.worker)
+            self._ledger.set(self._ledger.held.add(assignment))
             try:
                 return self._finish_allocate(slot, req)
             except NodeAgentError as err:
@@ -433,7 +445,7 @@ class SlotManager:
             with contextlib.suppress(NodeAgentError):
                 self._isolation.release(slot.id)
             raise
-        self._write_cdi(ready, worker)
+        self._cdi.apply(ready, worker)
         return ready
 
     def _fail(self, slot: Slot, reason: str) -> None:
@@ -453,9 +465,8 @@ class SlotManager:
             return
         if slot.holding and slot.assignment is not None:
             with contextlib.suppress(Conflict):
-                self._ledger = self._ledger.remove(slot.assignment)
-        if self._cdi is not None:
-            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
+                self._ledger.set(self._ledger.held.remove(slot.assignment))
+        self._cdi.release(slot.id)
         failed = dataclasses.replace(slot, state=SlotState.FAILED, reason=reason, applied=None)
         self._store.update_slot(failed)
         self._store.add_event("failed", f"slot {slot.name!r}: {reason}", slot.id)
@@ -476,14 +487,14 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; only ready or running slots resize")
             new_request = apply_patch(slot.request, patch)
             old = assignment_of(slot)
-            without = self._ledger.remove(old)
+            without = self._ledger.held.remove(old)
             new = plan(self._topology, without, new_request, self._options, irq_load=self._irq_load())
             resized = self._store.update_slot(dataclasses.replace(slot, request=new_request, assignment=new))
-            self._ledger = without.add(new)
+            self._ledger.set(without.add(new))
             try:
                 applied = self._isolation.apply(isolation_spec(resized, self._topology))
             except NodeAgentError:
-                self._ledger = self._ledger.remove(new).add(old)
+                self._ledger.set(self._ledger.held.remove(new).add(old))
                 self._store.update_slot(slot)
                 with contextlib.suppress(NodeAgentError):
                     self._isolation.apply(isolation_spec(slot, self._topology))
@@ -498,7 +509,7 @@ class SlotManager:
                     "resized slot's kernel state not stored", extra={"slot": slot.id, "reason": str(err)}
                 )
             self._store.add_event("resize", f"slot {slot.name!r} now {_describe(new)}", slot.id)
-            self._write_cdi(resized)
+            self._cdi.apply(resized)
         self._notify()
         return self._view(resized)
 
@@ -520,11 +531,10 @@ class SlotManager:
 
     def _finish_release(self, slot: Slot) -> None:
         self._isolation.release(slot.id)
-        if self._cdi is not None:
-            try_cdi("removed", slot.id, self._cdi.remove, slot.id)
+        self._cdi.release(slot.id)
         if slot.assignment is not None and slot.holding:
             with contextlib.suppress(Conflict):
-                self._ledger = self._ledger.remove(slot.assignment)
+                self._ledger.set(self._ledger.held.remove(slot.assignment))
         with self._store.transaction():
             self._store.delete_slot(slot.id)
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
@@ -534,11 +544,11 @@ class SlotManager:
         said = status is not None and status.phase not in ALIVE_PHASES and status.message
         word = f"worker {status.phase}: {status.message}" if said and status is not None else None
         # Below the state file system's reserve the logs go with the slot: the space matters more.
-        keep = self._log_retention > 0 and self._store.short() is None
+        keep = self._logs.retention_seconds > 0 and self._store.short() is None
         self._runtime.discard(
             slot.id, keep_logs_as=slot.name if keep else None, last_word=word, kind=slot_kind(slot.request)
         )
-        self._prune_logs()
+        self._logs.prune()
         if self._host is not None:
             self._host.slot_released(slot.id)
 
@@ -604,7 +614,7 @@ class SlotManager:
             if self._sandbox is not None:
                 self._sandbox.check(body)
                 self._sandbox.check_arguments(resolved)
-            check_container(self._cdi, body)
+            self._cdi.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
             if not kind_of(body).runs_in(slot_kind(slot.request)):
@@ -622,9 +632,9 @@ class SlotManager:
                 raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
             # Before the launch: a worker the database does not name would be an orphan after a crash.
             with self._store.transaction():
-                self._assign_ports(slot.id, body)
+                self._ports.reserve(slot.id, body)
                 self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
-            self._write_cdi(slot, body)  # the worker's env may override the slot's wiring
+            self._cdi.apply(slot, body)  # the worker's env may override the slot's wiring
             self._launch_worker(slot, body)
         self._notify()
         return self.get_slot(slot_id)
@@ -697,7 +707,7 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
-        ports = self._assign_ports(slot.id, spec)
+        ports = self._ports.reserve(slot.id, spec)
         resolved = resolve(
             spec,
             {p.name: p.port for p in ports},
@@ -705,24 +715,12 @@ class SlotManager:
             listen_on=bind_address(own_network=slot.network is not None),
         )
         sandbox = None
-        if self._sandbox is not None and self._sandbox.active:
-            # The slot's own uid, kept in the database while the slot exists (freed with its row).
-            uid = self._store.sandbox_uid(
-                slot.id,
-                *self._sandbox.config.uid_bounds(),
-                taken_by_host,
-                self._sandbox.config.uid_quarantine_seconds,
-            )
+        uid = self._identity.reserve(slot.id)  # kept while the slot exists (freed with its row)
+        if self._sandbox is not None and uid is not None:
             isolated = isolation_spec(slot, self._topology)
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
         return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
-
-    def _assign_ports(self, slot_id: str, spec: WorkerSpec) -> list[SlotPort]:
-        """The slot's host ports for ``spec``'s named ports (its preset's and its own), recorded;
-        those it holds already are kept. Conflict when a port asked for is taken."""
-        first, last = self._port_range
-        return self._store.assign_ports(slot_id, wanted_ports(spec), first, last, self._port_in_use)
 
     # ------------------------------------------------------------------ supervision
 
@@ -755,23 +753,9 @@ class SlotManager:
         """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
         return reconcile(self, restart_workers=restart_workers)
 
-    def _write_cdi(self, slot: Slot, worker: WorkerSpec | None = None) -> None:
-        if self._cdi is None or slot.assignment is None:
-            return
-        if worker is None:
-            stored = self._store.get_worker(slot.id)
-            worker = stored.spec if stored is not None else slot.request.worker
-        env = dict(worker.env) if worker is not None else {}
-        try_cdi("written", slot.id, self._cdi.write, slot, self._topology, self._shared_pool(), env)
-
     def cdi_spec(self, slot_id: str) -> dict[str, Any]:
         """The slot's CDI spec as written (``nodeagent slots cdi NAME``)."""
-        slot = self._slot(slot_id)
-        if self._cdi is None:
-            raise Unsupported(
-                "this agent writes no CDI specs ([cdi] enabled = false, or slots are not isolated here)"
-            )
-        return self._cdi.written(slot)
+        return self._cdi.view(self._slot(slot_id))
 
     # ------------------------------------------------------------------ helpers
 
@@ -783,7 +767,7 @@ class SlotManager:
 
     def _shared_pool(self) -> frozenset[int]:
         usable = placement_index(self._topology).usable(self._options)
-        pool = usable.pool_base & ~self._ledger.cpu_mask
+        pool = usable.pool_base & ~self._ledger.held.cpu_mask
         return frozenset(i for i in range(pool.bit_length()) if pool >> i & 1)
 
     def _irq_load(self) -> Mapping[int, int] | None:
@@ -804,24 +788,14 @@ class SlotManager:
         else:
             stored = self._store.get_worker(slot.id)
             status = None if stored is None else stored.status
-        uid = (
-            self._store.get_sandbox_uid(slot.id)
-            if self._sandbox is not None and self._sandbox.active
-            else None
-        )
         foreign = self._foreign_cpu(slot)
-        network = slot.network
-        address = str(network.slot_address) if network is not None else "127.0.0.1"
-        endpoints = tuple(
-            Endpoint(p.name, p.protocol, address, p.port) for p in self._store.slot_ports(slot.id)
-        )
         actions, evicted = self._qos.slot_view(slot.id) if self._qos is not None else ((), False)
         return dataclasses.replace(
             slot,
             worker=status,
             foreign_cpu=foreign,
-            sandbox_uid=uid,
-            endpoints=endpoints,
+            sandbox_uid=self._identity.view(slot),
+            endpoints=self._ports.view(slot),
             qos_actions=actions,
             qos_evicted=evicted,
         )

@@ -7,24 +7,18 @@ agent/manager.py's docstring and docs/recovery.md.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import signal
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.agent.cdi import try_cdi
 from nodeagent.agent.recovery import Evidence, decide
 from nodeagent.agent.slot import Slot, SlotState
-from nodeagent.agent.state import ports_from_record, slot_from_record, worker_from_record
+from nodeagent.agent.state import slot_from_record, worker_from_record
 from nodeagent.agent.translate import slot_from_kernel
 from nodeagent.errors import Conflict, InvalidRequest, NodeAgentError, WorkerError
 from nodeagent.isolation.backend import OwnedSlot
-from nodeagent.kernelfs import Procfs
 from nodeagent.placement import Allocated
 from nodeagent.runtime.workers import Readoption
 
@@ -70,7 +64,7 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
     report = ReconcileReport()
     with manager._lock:
         manager._ready = False
-        manager._host_ready = False
+        manager.ledger.hold_host()
         isolated = manager._isolation.isolates
         if isolated:
             _account_for_busy_slots(manager, report)
@@ -79,12 +73,10 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             known = {s.id for s in manager._store.list_slots() if s.holding}
             report.orphans_removed += manager._isolation.remove_orphans(known)
             manager._isolation.prepare()
-        manager._ledger = _build_ledger(manager, report)
+        manager.ledger.set(_build_ledger(manager, report))
         # After a crash the record on disk says what the last agent changed; the slots that
         # exist now say what must stay confined: the host is made to match them, in one pass.
-        manager._host_ready = True
-        if manager._host is not None:
-            manager._host.partition(manager._ledger.cpus)
+        manager.ledger.follow()
         for slot in manager._store.list_slots():
             if slot.state == SlotState.RELEASING:
                 manager._finish_release(slot)
@@ -94,7 +86,8 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             report.orphans_removed += manager._isolation.remove_orphans(keep)
         for slot in manager._store.list_slots():
             _reconcile_slot(manager, slot, report)
-        _reconcile_cdi(manager, report)
+        held = [s for s in manager._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
+        report.cdi_removed = manager.cdi.reconcile(held)
         for slot in manager._store.list_slots():
             _reconcile_worker(manager, slot, report, restart=slot.id in restart_workers)
         # A release killed between its row and its directory leaves the directory (the worker's
@@ -103,7 +96,7 @@ def reconcile(manager: SlotManager, *, restart_workers: frozenset[str] = frozens
             report.worker_dirs_removed = manager._runtime.reap(s.id for s in manager._store.list_slots())
         except OSError as err:
             log.warning("stale worker directories not removed", extra={"reason": str(err)})
-        manager._prune_logs()
+        manager.worker_logs.prune()
         report.seconds = time.monotonic() - began
         manager.report = report
         manager._store.add_event("reconcile", report.summary())
@@ -146,60 +139,11 @@ def _rebuild(manager: SlotManager, owned: OwnedSlot, report: ReconcileReport) ->
         if worker is not None:
             manager._store.put_worker(worker)
         if manifest is not None:
-            try:
-                manager._store.restore_ports(slot.id, ports_from_record(manifest))
-            except (Conflict, KeyError, TypeError, ValueError) as err:
-                # Its worker gets new ports at its next start; said, not fatal.
-                how += f"; its ports could not be restored ({err})"
-        how += _restore_uid(manager, slot.id, owned, manifest)
+            how += manager.ports.restore(slot.id, manifest)
+        how += manager.identity.restore(slot.id, owned.pids, manifest)
         manager._store.add_event("recover", f"slot {slot.name!r} rebuilt {how}", slot.id)
     report.recovered.append(slot.name)
     log.warning("slot recovered", extra={"slot": slot.id, "how": how})
-
-
-def _restore_uid(
-    manager: SlotManager, slot_id: str, owned: OwnedSlot, manifest: Mapping[str, Any] | None
-) -> str:
-    """Give a rebuilt slot back the uid its worker runs as: the kernel's word (the uid of the
-    processes in its cgroup) first, its manifest's second. A worker whose uid cannot be restored
-    (another slot holds it, or it lies outside [sandbox] uid_range) is ended, so that the slot's
-    next worker starts under a uid of its own instead of sharing one with another slot. Returns
-    what to add to the recovery's event."""
-    sandbox = manager._sandbox
-    if sandbox is None or not sandbox.active:
-        return ""
-    first, last = sandbox.config.uid_bounds()
-    running = {uid for pid in owned.pids if (uid := process_uid(pid)) is not None}
-    recorded = manifest.get("sandbox_uid") if manifest is not None else None
-    candidates = sorted(running) or ([recorded] if isinstance(recorded, int) else [])
-    if not candidates:
-        return ""
-    uid = candidates[0]
-    problem = None
-    if len(candidates) > 1:
-        problem = f"its processes run as several uids ({', '.join(map(str, candidates))})"
-    elif not first <= uid <= last:
-        problem = f"uid {uid} lies outside [sandbox] uid_range {first}-{last}"
-    else:
-        try:
-            manager._store.restore_sandbox_uid(slot_id, uid)
-        except Conflict as err:
-            problem = str(err)
-    if problem is None:
-        return f"; its workers keep uid {uid}"
-    for pid in owned.pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return f"; its uid could not be restored ({problem}): its worker was ended and starts anew"
-
-
-def process_uid(pid: int, proc: Procfs | None = None) -> int | None:
-    """The real uid of a running process (None once it is gone)."""
-    status = (proc or Procfs()).read_text(f"{pid}/status")
-    for line in (status or "").splitlines():
-        if line.startswith("Uid:"):
-            return int(line.split()[1])
-    return None
 
 
 def _build_ledger(manager: SlotManager, report: ReconcileReport) -> Allocated:
@@ -211,7 +155,7 @@ def _build_ledger(manager: SlotManager, report: ReconcileReport) -> Allocated:
             ledger = ledger.add(slot.assignment)
         except (Conflict, InvalidRequest) as err:
             # Cannot happen through this manager; if the database says so anyway, the later slot yields.
-            manager._ledger = ledger
+            manager.ledger.set(ledger)
             manager._fail(dataclasses.replace(slot, state=SlotState.FAILED), f"on start: {err}")
             report.failed.append(slot.name)
     return ledger
@@ -291,18 +235,3 @@ def _reconcile_worker(
         report.workers_started.append(slot.name)
     manager._loop.add(slot.id, supervisor)
     manager._record_status(slot.id, supervisor.status())
-
-
-def _reconcile_cdi(manager: SlotManager, report: ReconcileReport) -> None:
-    """No spec of a slot the agent does not hold survives a start; every held one is written
-    again (its devices or the agent's rules may have changed while it was down)."""
-    if manager._cdi is None:
-        return
-    slots = [s for s in manager._store.list_slots() if s.state in (SlotState.READY, SlotState.RUNNING)]
-    try:
-        report.cdi_removed = manager._cdi.remove_stale(s.id for s in slots)
-    except (NodeAgentError, OSError) as err:
-        log.warning("stale CDI specs not removed", extra={"reason": str(err)})
-    for slot in slots:
-        manager._write_cdi(slot)
-    try_cdi("written", "-", manager._cdi.write_device_specs, manager._topology)

@@ -23,13 +23,13 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.slot import Slot
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import NO_SPACE, InsufficientStorage, NodeAgentError, translate_os_error
 
 log = logging.getLogger(__name__)
@@ -58,22 +58,24 @@ class Evidence:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RecoveryDecision:
     #: busy slots no row names: rebuild these (RECOVER) ...
     rebuild: tuple[str, ...] = ()
     #: ... or let orphan removal take them (DISCARD; killing what runs there)
     discard: tuple[str, ...] = ()
 
 
-def decide(evidence: Evidence, known: Collection[str], mode: RecoveryMode, database: Path) -> Decision:
+def decide(
+    evidence: Evidence, known: Collection[str], mode: RecoveryMode, database: Path
+) -> RecoveryDecision:
     """What to do with busy slot cgroups the database does not name (``known``: every slot id it has)."""
     unexplained = tuple(sorted(slot for slot in evidence.busy if slot not in known))
     if not unexplained:
-        return Decision()
+        return RecoveryDecision()
     if mode is RecoveryMode.RECOVER:
-        return Decision(rebuild=unexplained)
+        return RecoveryDecision(rebuild=unexplained)
     if mode is RecoveryMode.DISCARD:
-        return Decision(discard=unexplained)
+        return RecoveryDecision(discard=unexplained)
     shown = ", ".join(f"{slot} ({len(evidence.busy[slot])} processes)" for slot in unexplained[:5])
     more = f" and {len(unexplained) - 5} more" if len(unexplained) > 5 else ""
     state = "is missing or empty" if not known else "does not name them"
@@ -98,12 +100,10 @@ class Manifests:
 
     def write(self, record: Mapping[str, Any]) -> None:
         path = self.directory / f"{record['id']}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
             self.directory.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps(record, sort_keys=True))
-            tmp.chmod(0o600)  # it names the worker's env: the agent's alone, whatever the umask
-            os.replace(tmp, path)
+            # 0600: it names the worker's env, the agent's alone whatever the umask.
+            write_atomic(path, json.dumps(record, sort_keys=True), mode=0o600)
         except OSError as err:
             if err.errno in NO_SPACE:
                 raise InsufficientStorage(
@@ -146,12 +146,9 @@ class Manifests:
         entries = {u: t for u, t in self.released_uids().items() if t > at - self.RELEASED_KEPT_SECONDS}
         entries[uid] = at
         path = self.directory / self.RELEASED_UIDS
-        tmp = path.with_name(f"{path.name}.tmp")
         try:
             self.directory.mkdir(mode=0o700, exist_ok=True)
-            tmp.write_text(json.dumps({str(u): t for u, t in sorted(entries.items())}))
-            tmp.chmod(0o600)
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps({str(u): t for u, t in sorted(entries.items())}), mode=0o600)
         except OSError as err:
             log.warning("released uid not noted beside the manifests", extra={"uid": uid, "reason": str(err)})
 
@@ -175,9 +172,9 @@ def recovered_name(slot_id: str) -> str:
 
 
 __all__ = [
-    "Decision",
     "Evidence",
     "Manifests",
+    "RecoveryDecision",
     "RecoveryMode",
     "Slot",
     "UnexplainedSlots",

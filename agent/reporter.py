@@ -21,7 +21,6 @@ backoff short (a recovering controller is not hammered by a busy node).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -37,6 +36,7 @@ import httpx
 from nodeagent import __version__
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
+from nodeagent.atomicfile import write_atomic
 from nodeagent.cpulist import format_cpulist
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import ConfigError
@@ -112,16 +112,10 @@ def next_epoch(epoch_file: Path | None, now_ms: int) -> int:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        write_atomic(path, text, durable=True)
     except OSError as err:
         log.warning("cannot store reporter epoch in %s (%s); a restart relies on the clock", path, err)
-        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- report bodies

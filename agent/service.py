@@ -56,7 +56,7 @@ class NodeInfo:
 
 
 class QosView(Protocol):
-    """What the QoS loop (agent.qos) adds to the service's answers, and its say in admission."""
+    """What the QoS loop (agent.qos_loop) adds to the service's answers, and its say in admission."""
 
     def batch(self) -> dict[str, Any] | None:
         """The batch capacity view for capacity(); None before the loop has measured."""

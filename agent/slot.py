@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nodeagent.isolation.foreign import ForeignCpu
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.network import SlotNetwork
-from nodeagent.isolation.slot import AppliedSlot
 from nodeagent.placement import Assignment
 from nodeagent.runtime.ports import Endpoint
 from nodeagent.runtime.supervisor import WorkerStatus

@@ -38,7 +38,7 @@ from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Desired, Slot, SlotState, Worker
 from nodeagent.errors import Conflict, InsufficientStorage, NodeAgentError
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.placement import Assignment
 from nodeagent.runtime.ports import PortWant, SlotPort
 from nodeagent.runtime.supervisor import WorkerStatus

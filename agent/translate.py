@@ -14,7 +14,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest
 from nodeagent.isolation.backend import OwnedSlot
 from nodeagent.isolation.devices import assigned_device_nodes
-from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.worker_kind import slot_kind

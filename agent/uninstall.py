@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.agent.cdi import DEVICE_KEYS
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.daemon import build_cdi, build_isolation, lock_state_dir
+from nodeagent.agent.slot_cdi import DEVICE_KEYS
 from nodeagent.agent.state import StateStore
 from nodeagent.cgroups import CgroupHost, detect
 from nodeagent.devices.discovery import discover

@@ -45,9 +45,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests` is a package of the repo
 
 from nodeagent.cgroups import detect
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
-from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 from tests.daemon import DaemonProcess, nodeagent_argv
 
 PARENT = f"natest{os.getpid()}cli.slice"

@@ -54,9 +54,9 @@ from nodeagent.cgroups import CgroupLimits, detect, open_manager
 from nodeagent.errors import NodeAgentError
 from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, Sample, decide
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent

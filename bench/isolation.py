@@ -49,10 +49,10 @@ from pathlib import Path
 from nodeagent.cgroups import detect, open_manager
 from nodeagent.isolation.foreign import ForeignCpuMeter
 from nodeagent.isolation.host import PARTS, HostPartitioner
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.partitioning import host_partitioner
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 MiB = 1 << 20
 SCENARIOS = ("alone", "no isolation", "isolated", "host noise", "host partitioned", "alone partitioned")

@@ -55,7 +55,7 @@ from crun_driver import Crun, serve
 
 from nodeagent.runtime.enter import join_file
 from nodeagent.runtime.keeper_client import KeeperClient, stop_keeper
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox import SandboxSpec
 
 ROOT = Path("/sys/fs/cgroup")

@@ -33,8 +33,8 @@ Settings a host cannot honour raise :class:`~nodeagent.errors.Unsupported`.
 
 from nodeagent.cgroups.base import CgroupManager
 from nodeagent.cgroups.detect import CgroupHost, detect
+from nodeagent.cgroups.factory import apply_device_rules, open_manager, remove_subtree
 from nodeagent.cgroups.hierarchy import DEFAULT_PARENT, Hierarchy, QosClass, ensure_parents, list_owned
-from nodeagent.cgroups.manager import apply_device_rules, open_manager, remove_subtree
 from nodeagent.cgroups.oom import OomWatcher
 from nodeagent.cgroups.resources import UNLIMITED, CgroupLimits, CgroupStats, OomEvents
 from nodeagent.cgroups.rules import DeviceRule

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from nodeagent.cgroups.rules import DeviceRule, normalize
 from nodeagent.errors import CgroupError, os_error_message
+from nodeagent.libc import libc
 
 # bpf(2) commands, program/attach types and flags from include/uapi/linux/bpf.h.
 BPF_PROG_LOAD = 5
@@ -129,7 +130,7 @@ class _Bpf:
         if machine not in _SYSCALL_BPF:
             raise CgroupError(f"bpf(2) syscall number unknown for machine {machine!r}")
         self._nr = _SYSCALL_BPF[machine]
-        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc = libc
 
     def call(self, cmd: int, attr: ctypes.Array[ctypes.c_char], action: str) -> int:
         result = int(self._libc.syscall(self._nr, cmd, attr, ctypes.c_uint(len(attr))))

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from nodeagent.cgroups import fs
 from nodeagent.cgroups.detect import CgroupHost
+from nodeagent.cgroups.factory import open_manager
 from nodeagent.cgroups.hierarchy import validate_name
-from nodeagent.cgroups.manager import open_manager
 from nodeagent.errors import CgroupError
 
 AGENT = "agent"

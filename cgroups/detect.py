@@ -9,11 +9,11 @@ parsers are pure functions over text.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from nodeagent import procfmt
 from nodeagent.cgroups import fs
 from nodeagent.errors import CgroupError, DiscoveryError
 from nodeagent.kernelfs import Procfs
@@ -71,33 +71,18 @@ class CgroupHost:
             ) from None
 
 
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-
-
-def _unescape(text: str) -> str:
-    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
-
-
 def parse_mountinfo(text: str) -> list[Mount]:
     """The cgroup and cgroup2 mounts in a mountinfo text (see proc(5))."""
-    mounts: list[Mount] = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        fields = left.split()
-        rest = right.split()
-        if len(fields) < 5 or len(rest) < 3 or rest[0] not in ("cgroup", "cgroup2"):
-            continue
-        mounts.append(
-            Mount(
-                mount_point=_unescape(fields[4]),
-                fstype=rest[0],
-                root=_unescape(fields[3]),
-                super_options=frozenset(rest[2].split(",")),
-            )
+    return [
+        Mount(
+            mount_point=m.mount_point,
+            fstype=m.fstype,
+            root=m.root,
+            super_options=frozenset(m.super_options.split(",")),
         )
-    return mounts
+        for m in procfmt.parse_mountinfo(text)
+        if m.fstype in ("cgroup", "cgroup2") and m.super_options
+    ]
 
 
 def parse_proc_cgroups(text: str) -> frozenset[str]:
@@ -112,9 +97,9 @@ def parse_proc_cgroups(text: str) -> frozenset[str]:
 
 def parse_own_v2_cgroup(text: str) -> str | None:
     """This process's v2 cgroup from /proc/self/cgroup (the ``0::/path`` line)."""
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            return line[3:].strip() or "/"
+    for hierarchy, controllers, path in procfmt.parse_proc_cgroup(text):
+        if hierarchy == "0" and controllers == "":
+            return path.strip() or "/"
     return None
 
 

@@ -17,7 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from nodeagent.errors import CgroupError, translate_os_error
+from nodeagent.errors import CgroupError, DiscoveryError, translate_os_error
+from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import parse_mountinfo
 
 
 def join(*parts: str) -> str:
@@ -78,20 +80,17 @@ def _root_facts(root: str) -> tuple[str, bool]:
 def mount_fs_type(path: str, mountinfo: Path = Path("/proc/self/mountinfo")) -> str | None:
     """The filesystem type of the mount ``path`` (a real path) lies on, or None when unknown."""
     try:
-        lines = mountinfo.read_text().splitlines()
-    except OSError:
+        text = Procfs(mountinfo.parent).read_text(mountinfo.name)
+    except DiscoveryError:
+        return None
+    if text is None:
         return None
     best, fs_type = "", None
-    for line in lines:
-        fields, _, tail = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not tail:
-            continue
-        # Mount points escape space, tab, newline and backslash as octal (\040 ...).
-        point = parts[4].encode().decode("unicode_escape")
+    for mount in parse_mountinfo(text):
+        point = mount.mount_point
         inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fs_type = point, tail.split()[0]
+        if inside and mount.fstype and len(point) >= len(best):
+            best, fs_type = point, mount.fstype
     return fs_type
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from nodeagent.cgroups.base import CgroupManager
 from nodeagent.cgroups.detect import CgroupHost
-from nodeagent.cgroups.manager import open_manager
+from nodeagent.cgroups.factory import open_manager
 from nodeagent.errors import InvalidRequest
 
 QosClass = Literal["guaranteed", "burstable", "best-effort"]

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Literal
 
 from nodeagent.cgroups import fs
-from nodeagent.errors import CgroupError
+from nodeagent.errors import CgroupError, DiscoveryError
+from nodeagent.kernelfs import Procfs
 
 Resource = Literal["cpu", "memory", "io"]
 RESOURCES: tuple[Resource, ...] = ("cpu", "memory", "io")
@@ -71,14 +72,14 @@ def read_node_pressure(proc_root: Path, resource: Resource) -> Pressure | None:
     """``/proc/pressure/<resource>``; None where the kernel has no PSI (booted without it)."""
     path = proc_root / "pressure" / resource
     try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as err:
+        text = Procfs(proc_root).read_text(f"pressure/{resource}")
+    except DiscoveryError as err:
         # EOPNOTSUPP: a kernel built with PSI but booted with psi=0.
-        if err.errno == errno.EOPNOTSUPP:
+        if err.errno in (errno.EOPNOTSUPP, errno.ENOTDIR):
             return None
-        raise CgroupError(f"reading {path}: {err.strerror}", errno_=err.errno) from err
+        raise CgroupError(str(err), errno_=err.errno) from err
+    if text is None:
+        return None
     try:
         return parse_pressure(text)
     except ValueError as err:

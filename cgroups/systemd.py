@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent.cgroups.delegation import AGENT, Delegation
-from nodeagent.errors import CgroupError
+from nodeagent.errors import CgroupError, DiscoveryError
+from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import parse_proc_cgroup
 
 #: What sd_booted(3) checks.
 BOOTED_MARK = Path("run/systemd/system")
@@ -59,9 +61,7 @@ def own_cgroup(text: str) -> str | None:
     """This process's cgroup as systemd tracks it, from /proc/self/cgroup: the unified ``0::`` line,
     else the ``name=systemd`` line of a cgroup v1 host; without the leading slash ("" for the root)."""
     named = None
-    for line in text.splitlines():
-        number, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
+    for number, controllers, path in parse_proc_cgroup(text):
         if number == "0" and controllers == "":
             return path.strip().strip("/")
         if "name=systemd" in controllers.split(","):
@@ -197,11 +197,11 @@ def discover(
 ) -> tuple[Delegation, str | None]:
     """The delegation for this process, and the name of its own unit (None outside any unit)."""
     try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError as err:
-        raise CgroupError(
-            f"cannot read {proc_root}/self/cgroup to find the agent's unit: {err.strerror}"
-        ) from err
+        text = Procfs(proc_root).read_text("self/cgroup")
+    except DiscoveryError as err:
+        raise CgroupError(f"cannot find the agent's unit: {err}", errno_=err.errno) from err
+    if text is None:
+        raise CgroupError(f"cannot read {proc_root}/self/cgroup to find the agent's unit: no such file")
     own = own_cgroup(text)
     if own is None:
         raise NoDelegation(

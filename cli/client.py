@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote, urlencode
 
 from nodeagent import __version__
-from nodeagent.cli.transport import Connection, Endpoint, ProtocolError, parse_url
+from nodeagent.cli.transport import ApiEndpoint, Connection, HttpProtocolError, parse_url
 from nodeagent.defaults import DEFAULT_API, default_token_file
 from nodeagent.errors import (
     CgroupError,
@@ -242,7 +242,7 @@ class AgentClient:
             raise AgentUnreachable(
                 f"the agent at {self.base_url} did not answer {method} {path} in time ({stage})"
             ) from err
-        except (OSError, ProtocolError) as err:
+        except (OSError, HttpProtocolError) as err:
             self.close()
             raise self._unreachable(str(err) or type(err).__name__) from err
         response = Response(method, target, endpoint.host, answer.status, answer.reason, answer.body)
@@ -250,13 +250,13 @@ class AgentClient:
             raise error_from_response(response)
         return response
 
-    def _endpoint(self) -> Endpoint:
+    def _endpoint(self) -> ApiEndpoint:
         try:
             return parse_url(self.base_url)
         except ValueError as err:
             raise self._unreachable(str(err)) from None
 
-    def _connection_to(self, endpoint: Endpoint) -> Connection:
+    def _connection_to(self, endpoint: ApiEndpoint) -> Connection:
         if self._connection is None:
             self._connection = Connection(endpoint, self.timeout)
         return self._connection

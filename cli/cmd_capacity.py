@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
+from nodeagent.bytesize import format_quantity_short
 from nodeagent.cli.cmd_slots import api_options, client_from
-from nodeagent.quantity import format_quantity_short
 
 _KINDS = ("total", "reserved", "allocatable", "allocated", "free")
 

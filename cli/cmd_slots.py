@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import click
 
+from nodeagent.bytesize import format_quantity
 from nodeagent.cli.client import API_ENV, TOKEN_FILE_ENV, AgentClient
 from nodeagent.errors import InvalidRequest, NotFound, WorkerError
-from nodeagent.quantity import format_quantity
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -28,11 +28,11 @@ MAX_LINE_BYTES = 65536
 MAX_HEADERS = 100
 
 
-class ProtocolError(Exception):
+class HttpProtocolError(Exception):
     """The other end's answer is not HTTP/1.x as this module reads it."""
 
 
-class Endpoint(NamedTuple):
+class ApiEndpoint(NamedTuple):
     """Where the API is, from its URL."""
 
     https: bool
@@ -46,7 +46,7 @@ class Endpoint(NamedTuple):
         return host if self.port is None else f"{host}:{self.port}"
 
 
-def parse_url(url: str) -> Endpoint:
+def parse_url(url: str) -> ApiEndpoint:
     """The endpoint of an ``http://`` or ``https://`` URL; ValueError saying what is wrong."""
     parts = urlsplit(url)
     if not parts.scheme:
@@ -59,7 +59,7 @@ def parse_url(url: str) -> Endpoint:
         raise ValueError(f"the URL's port is not valid ({err})") from None
     if not parts.hostname:
         raise ValueError("the URL names no host")
-    return Endpoint(parts.scheme == "https", parts.hostname, port, parts.path.rstrip("/"))
+    return ApiEndpoint(parts.scheme == "https", parts.hostname, port, parts.path.rstrip("/"))
 
 
 class Answer(NamedTuple):
@@ -72,7 +72,7 @@ class Connection:
     """One HTTP/1.1 connection; ``open``, then ``send`` and ``receive`` in turn, as often as the
     agent keeps it open (``is_open`` says whether it still is)."""
 
-    def __init__(self, endpoint: Endpoint, timeout: float) -> None:
+    def __init__(self, endpoint: ApiEndpoint, timeout: float) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
         self._sock: socket.socket | None = None
@@ -111,7 +111,7 @@ class Connection:
 
     def send(self, method: str, target: str, headers: dict[str, str], body: bytes | None) -> None:
         if self._sock is None:
-            raise ProtocolError("send on a connection that is not open")
+            raise HttpProtocolError("send on a connection that is not open")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.endpoint.host_header}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         if body is not None or method in ("POST", "PUT", "PATCH"):
@@ -147,23 +147,23 @@ class Connection:
 
     def _reader_or_fail(self) -> BinaryIO:
         if self._reader is None:
-            raise ProtocolError("receive on a connection that is not open")
+            raise HttpProtocolError("receive on a connection that is not open")
         return self._reader
 
     def _read_line(self) -> bytes:
         line = self._reader_or_fail().readline(MAX_LINE_BYTES + 1)
         if len(line) > MAX_LINE_BYTES:
-            raise ProtocolError(f"the answer has a line longer than {MAX_LINE_BYTES} bytes")
+            raise HttpProtocolError(f"the answer has a line longer than {MAX_LINE_BYTES} bytes")
         return line
 
     def _read_status(self) -> tuple[int, str, str]:
         line = self._read_line()
         if not line:
-            raise ProtocolError("the connection was closed before an answer came")
+            raise HttpProtocolError("the connection was closed before an answer came")
         version, _, rest = line.decode("latin-1").rstrip("\r\n").partition(" ")
         code, _, reason = rest.partition(" ")
         if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise ProtocolError(f"the answer does not start with an HTTP/1.x status line: {line[:60]!r}")
+            raise HttpProtocolError(f"the answer does not start with an HTTP/1.x status line: {line[:60]!r}")
         return int(code), reason.strip(), version
 
     def _read_headers(self) -> dict[str, str]:
@@ -174,15 +174,17 @@ class Connection:
                 return headers
             name, colon, value = line.decode("latin-1").partition(":")
             if not colon:
-                raise ProtocolError(f"the answer has a malformed header line: {line[:60]!r}")
+                raise HttpProtocolError(f"the answer has a malformed header line: {line[:60]!r}")
             key = name.strip().lower()
             headers[key] = f"{headers[key]}, {value.strip()}" if key in headers else value.strip()
-        raise ProtocolError(f"the answer has more than {MAX_HEADERS} header lines, or its head never ends")
+        raise HttpProtocolError(
+            f"the answer has more than {MAX_HEADERS} header lines, or its head never ends"
+        )
 
     def _read_exactly(self, size: int) -> bytes:
         data = self._reader_or_fail().read(size)
         if len(data) < size:
-            raise ProtocolError(f"the connection was closed {len(data)} bytes into a {size}-byte answer")
+            raise HttpProtocolError(f"the connection was closed {len(data)} bytes into a {size}-byte answer")
         return data
 
     def _read_chunked(self) -> bytes:
@@ -192,12 +194,14 @@ class Connection:
             try:
                 size = int(size_text, 16)
             except ValueError:
-                raise ProtocolError(f"the answer has a malformed chunk size: {size_text[:20]!r}") from None
+                raise HttpProtocolError(
+                    f"the answer has a malformed chunk size: {size_text[:20]!r}"
+                ) from None
             if size == 0:
                 break
             chunks.append(self._read_exactly(size))
             if self._read_line() not in (b"\r\n", b"\n"):
-                raise ProtocolError("a chunk of the answer does not end where its size says")
+                raise HttpProtocolError("a chunk of the answer does not end where its size says")
         while self._read_line() not in (b"\r\n", b"\n", b""):
             pass  # trailer fields: none that matter here
         return b"".join(chunks)
@@ -207,5 +211,5 @@ def _content_length(value: str) -> int:
     # Repeated identical values arrive joined ("12, 12"); differing ones mean the answer is unreadable.
     values = {v.strip() for v in value.split(",")}
     if len(values) != 1 or not next(iter(values)).isdigit():
-        raise ProtocolError(f"the answer has an unusable Content-Length: {value[:40]!r}")
+        raise HttpProtocolError(f"the answer has an unusable Content-Length: {value[:40]!r}")
     return int(values.pop())

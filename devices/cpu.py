@@ -39,6 +39,7 @@ from pathlib import Path
 from nodeagent.devices.topology import Cpu, NumaNode
 from nodeagent.errors import DiscoveryError
 from nodeagent.kernelfs import KernelFs, Procfs, Sysfs
+from nodeagent.procfmt import meminfo_bytes, parse_meminfo
 
 CPU_DIR = "devices/system/cpu"
 NODE_DIR = "devices/system/node"
@@ -314,19 +315,15 @@ def _distances(sysfs: Sysfs, node: int) -> tuple[int, ...] | None:
 def _meminfo_total(reader: KernelFs, rel: str) -> int | None:
     """MemTotal in bytes from a node's meminfo ("Node 0 MemTotal: 123 kB") or /proc/meminfo."""
     text = reader.read_text(rel)
-    if text is None:
+    value = None if text is None else parse_meminfo(text).get("MemTotal")
+    if value is None:
         return None
-    for line in text.splitlines():
-        _, found, rest = line.partition("MemTotal:")
-        if not found:
-            continue
-        fields = rest.split()
-        if len(fields) == 2 and fields[1] == "kB" and fields[0].isdigit():
-            return int(fields[0]) * 1024
+    size = meminfo_bytes(value)
+    if size is None:
         raise DiscoveryError(
-            f"reading {reader.path(rel)}: expected 'MemTotal: <number> kB', found {line.strip()!r}"
+            f"reading {reader.path(rel)}: expected 'MemTotal: <number> kB', found {'MemTotal: ' + value!r}"
         )
-    return None
+    return size
 
 
 def _total_memory(nodes: tuple[NumaNode, ...], proc_root: Path) -> int | None:

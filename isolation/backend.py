@@ -2,7 +2,7 @@
 
 :class:`IsolationBackend` is the seam (the manager's tests plug a fake in). Two implementations:
 
-- :class:`KernelIsolation`: the real one, :class:`~nodeagent.isolation.slot.SlotIsolator` on this
+- :class:`KernelIsolation`: the real one, :class:`~nodeagent.isolation.isolator.SlotIsolator` on this
   host's cgroups. The isolator keeps the shared pool right by itself (it cuts the pool before an
   exclusive slot gets its CPUs and grows it after a release), so the manager never has to.
 - :class:`NoIsolation`: the stand-in when this host cannot isolate (no root, no writable cgroups).
@@ -18,8 +18,8 @@ from typing import Protocol
 
 from nodeagent.cgroups import open_manager
 from nodeagent.errors import NodeAgentError
-from nodeagent.isolation.slot import AppliedSlot, OwnedSlot, SlotIsolator
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.isolator import AppliedSlot, OwnedSlot, SlotIsolator
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 
 class IsolationBackend(Protocol):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent.atomicfile import is_temporary, write_atomic
 from nodeagent.errors import KernelError, translate_os_error
 
 #: The kind of every slot device: ``--device nodeagent.io/slot=<slot name or id>``.
@@ -188,14 +189,10 @@ class CdiSpecDir:
 
     def write(self, key: str, spec: Mapping[str, Any]) -> Path:
         path = self.path_for(key)
-        # A dot file: runtimes read only *.json and *.yaml, so the temporary name is never parsed.
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as handle:
-                handle.write(json.dumps(spec, indent=2, sort_keys=True) + "\n")
-            tmp.chmod(0o644)
-            os.replace(tmp, path)
+            # Its temporary is a dot file ending .tmp: runtimes read only *.json and *.yaml.
+            write_atomic(path, json.dumps(spec, indent=2, sort_keys=True) + "\n", mode=0o644)
         except OSError as err:
             raise translate_os_error(f"write CDI spec {path}", err, KernelError) from err
         return path
@@ -257,7 +254,7 @@ class CdiSpecDir:
             entries = []
         old = time.time() - STRAY_SECONDS
         for entry in entries:
-            if entry.name.startswith(f".{self.prefix}") and entry.name.endswith(".json.tmp"):
+            if entry.name.startswith(f".{self.prefix}") and is_temporary(entry.name):
                 with contextlib.suppress(OSError):
                     if entry.stat().st_mtime < old:
                         os.unlink(entry.path)

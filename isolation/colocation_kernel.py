@@ -32,21 +32,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, open_manager
+from nodeagent.cgroups import CgroupHost, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
-from nodeagent.errors import CgroupError, NodeAgentError, translate_os_error
+from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
 from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
+from nodeagent.isolation.isolator import SlotIsolator, class_has_cpu_idle
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import SlotIsolator, class_has_cpu_idle
+from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import IRQ, NICE, SOFTIRQ, STEAL, SYSTEM, USER, meminfo_bytes, parse_cpu_ticks
+from nodeagent.procfmt import parse_meminfo as meminfo_fields
 
 log = logging.getLogger(__name__)
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: /proc/stat cpuN fields counted as busy: user nice system (idle iowait) irq softirq steal.
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)
+_BUSY_FIELDS = (USER, NICE, SYSTEM, IRQ, SOFTIRQ, STEAL)
 
 
 # --------------------------------------------------------------------------- /proc readers
@@ -56,29 +59,20 @@ def parse_proc_stat(text: str) -> dict[int, int]:
     """Cumulative busy time per CPU in nanoseconds from /proc/stat (guest time is already in user;
     steal counts as busy: time the hypervisor took is not ours to give to best-effort)."""
     busy: dict[int, int] = {}
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu":
-            continue
-        suffix = name[3:]
-        if not suffix.isdigit():
-            continue
-        values = [int(v) for v in rest.split()]
+    for cpu, values in parse_cpu_ticks(text).items():
         ticks = sum(values[i] for i in _BUSY_FIELDS if i < len(values))
-        busy[int(suffix)] = ticks * (1_000_000_000 // _CLOCK_TICKS)
+        busy[cpu] = ticks * (1_000_000_000 // _CLOCK_TICKS)
     return busy
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
     """(MemTotal, MemAvailable) in bytes; ValueError when either is missing."""
-    found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("MemTotal", "MemAvailable"):
-            found[key] = int(rest.split()[0]) * 1024
-    if len(found) != 2:
-        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {sorted(found)})")
-    return found["MemTotal"], found["MemAvailable"]
+    info = meminfo_fields(text)
+    total, available = meminfo_bytes(info.get("MemTotal")), meminfo_bytes(info.get("MemAvailable"))
+    if total is None or available is None:
+        found = sorted(k for k in ("MemTotal", "MemAvailable") if meminfo_bytes(info.get(k)) is not None)
+        raise ValueError(f"no MemTotal/MemAvailable in meminfo (found {found})")
+    return total, available
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -115,6 +109,7 @@ class Sampler:
         self.allowed = allowed
         self.core_of = dict(core_of)
         self.proc_root = proc_root
+        self._procfs = Procfs(proc_root)
         self._v2 = host.mode == "v2" and host.v2_mount is not None
         self._cpu_mount: Path | None
         self._memory_mount: Path | None
@@ -224,11 +219,13 @@ class Sampler:
         )
 
     def _read_proc(self, name: str) -> str:
-        path = self.proc_root / name
         try:
-            return path.read_text()
-        except OSError as err:
-            raise translate_os_error(f"reading {path}", err, CgroupError) from err
+            text = self._procfs.read_text(name)
+        except DiscoveryError as err:
+            raise CgroupError(str(err), errno_=err.errno) from err
+        if text is None:
+            raise CgroupError(f"reading {self.proc_root / name}: no such file; is procfs mounted there?")
+        return text
 
     @staticmethod
     def _read_int(mount: Path | None, relpath: str, name: str) -> int | None:
@@ -286,12 +283,19 @@ class Actuator:
         if kind in ("cpu_suppress", "cpu_release"):
             self.isolator.limit_best_effort(action.cpus, action.quota_cpus)
         elif kind == "slot_cpu_quota":
+            # The isolator owns the slot's cgroup: it writes the loop's limit and keeps it at resizes.
+            assert action.slot_id is not None
             period = self.isolator.config.qos.cfs_period_us
-            quota = UNLIMITED if action.quota_cpus is None else quota_us(action.quota_cpus, period)
-            self._set_slot(action, CgroupLimits(cpu_quota_us=quota, cpu_period_us=period))
-        elif kind in ("memory_throttle", "memory_unthrottle"):
-            high = UNLIMITED if action.memory_high is None else action.memory_high
-            self._set_slot(action, CgroupLimits(memory_high=high))
+            quota = None if action.quota_cpus is None else quota_us(action.quota_cpus, period)
+            self.isolator.hold_best_effort_slot(action.slot_id, cpu_quota_us=quota)
+        elif kind == "memory_throttle":
+            assert action.slot_id is not None
+            self.isolator.hold_best_effort_slot(action.slot_id, memory_high=action.memory_high)
+        elif kind == "memory_unthrottle":
+            assert action.slot_id is not None
+            self.isolator.hold_best_effort_slot(
+                action.slot_id, memory_high=None, own_memory_high=action.memory_high
+            )
         else:
             raise AssertionError(f"the agent carries out {kind}, not the actuator")
 
@@ -302,17 +306,6 @@ class Actuator:
     def release(self) -> None:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
-
-    def _set_slot(self, action: Action, resources: CgroupLimits) -> None:
-        assert action.slot_id is not None
-        manager = open_manager(self.host, self.hierarchy.slot_path(action.slot_id, "best-effort"))
-        try:
-            manager.set(resources)
-        except CgroupError as err:
-            if err.errno not in (errno.ENOENT, errno.ENODEV):
-                raise
-
-    # -- best-effort processes --------------------------------------------------------------
 
     def prepare_resctrl(self) -> str | None:
         """Create (or mend) best-effort's shared resctrl group; None where the host has none."""

@@ -28,7 +28,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest, NotFound
 
 if TYPE_CHECKING:
-    from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+    from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 SLOT_ACCESS = "rw"
 #: The nodes the sandbox makes with mknod: the standard ones and the slot's own (module docstring).

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import NetworkError, Unsupported, os_error_message
 from nodeagent.isolation.network import SlotAccess, SlotNetwork, SlotNetworkConfig
 
@@ -460,7 +461,7 @@ class IpForwarding:
             if current != "1":
                 before = self.registry / "before"
                 if not before.exists():
-                    _write_atomically(before, current)  # first, so a crash cannot lose it
+                    write_atomic(before, current)  # first, so a crash cannot lose it
                 self._write_sysctl("1")
             (self.registry / _holder_file(holder)).touch()
 
@@ -525,12 +526,6 @@ def _holder_file(holder: str) -> str:
     if not _HOLDER_RE.match(holder):
         raise NetworkError(f"ip_forward holder name {holder!r} is not a safe file name")
     return "holder-" + holder
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 # --------------------------------------------------------------------------- the firewall

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeagent.errors import DiscoveryError, os_error_message
+from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import Procfs
+from nodeagent.procfmt import parse_cpu_ticks
 
 USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -43,21 +45,17 @@ class CpuTicks:
 def parse_proc_stat(text: str) -> dict[int, CpuTicks]:
     """Per-CPU busy and interrupt ticks from /proc/stat's ``cpuN`` lines."""
     found: dict[int, CpuTicks] = {}
-    for line in text.splitlines():
-        if not line.startswith("cpu") or line.startswith("cpu "):
-            continue
-        name, *values = line.split()
-        ticks = [int(v) for v in values[:7]] + [0] * max(0, 7 - len(values))
-        user, nice, system, _idle, _iowait, irq, softirq = ticks
-        found[int(name[3:])] = CpuTicks(user + nice + system + irq + softirq, irq + softirq)
+    for cpu, values in parse_cpu_ticks(text).items():
+        user, nice, system, _idle, _iowait, irq, softirq = (*values[:7], 0, 0, 0, 0, 0, 0, 0)[:7]
+        found[cpu] = CpuTicks(user + nice + system + irq + softirq, irq + softirq)
     return found
 
 
 def read_proc_stat(proc: Path = Path("/proc")) -> dict[int, CpuTicks]:
-    try:
-        return parse_proc_stat((proc / "stat").read_text())
-    except OSError as err:
-        raise DiscoveryError(os_error_message(f"reading {proc / 'stat'}", err)) from err
+    text = Procfs(proc).read_text("stat")
+    if text is None:
+        raise DiscoveryError(f"reading {proc / 'stat'}: no such file; is procfs mounted at {proc}?")
+    return parse_proc_stat(text)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ housekeeping CPUs whatever kthreadd's affinity is).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -56,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from nodeagent.atomicfile import fsync_dir, write_atomic
 from nodeagent.cpulist import format_cpulist, parse_cpulist
 from nodeagent.errors import (
     NO_SPACE,
@@ -264,21 +264,12 @@ class RecordFile:
         if record.empty:
             self.remove()
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        body = json.dumps(record.to_json(), indent=1).encode()
+        body = json.dumps(record.to_json(), indent=1)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, body)
-                # Durable before the change it describes: after a power loss or a crash the next
-                # start must still know what to put back.
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
+            # Durable before the change it describes: after a power loss or a crash the next
+            # start must still know what to put back.
+            write_atomic(self.path, body, mode=0o600, durable=True)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
             if err.errno in NO_SPACE:
                 raise InsufficientStorage(
                     f"cannot write the host record {self.path}: its filesystem is full, so the host is left "
@@ -293,16 +284,7 @@ class RecordFile:
             return
         except OSError as err:
             raise KernelError(os_error_message(f"removing the host record {self.path}", err)) from err
-        _fsync_dir(self.path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.path.parent)
 
 
 # =========================================================================== the pure decision

@@ -23,14 +23,16 @@ import errno
 import os
 import socket
 import struct
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nodeagent.cgroups.systemd import run_systemctl
 from nodeagent.cpulist import format_cpulist, parse_cpulist
-from nodeagent.errors import InvalidRequest
+from nodeagent.errors import CgroupError, InvalidRequest
 from nodeagent.isolation.host import Knob, Task
+from nodeagent.kernelfs import Procfs, Sysfs
+from nodeagent.procfmt import parse_proc_cgroup
 
 #: systemd unit types that own a cgroup (a directory named like this is a unit's cgroup)
 UNIT_SUFFIXES = (".slice", ".scope", ".service", ".socket", ".mount", ".swap")
@@ -50,6 +52,7 @@ def format_mask(cpus: frozenset[int]) -> str:
 
 
 def _read(path: Path) -> str | None:
+    """A cgroupfs file (procfs and sysfs are read through nodeagent.kernelfs); None when gone."""
     try:
         return path.read_text()
     except (FileNotFoundError, ProcessLookupError):
@@ -98,6 +101,7 @@ class ProcTasks:
         set_affinity: Callable[[int, frozenset[int]], None] | None = None,
     ) -> None:
         self.proc = proc
+        self._procfs = Procfs(proc)
         self._slot_prefix = "/" + slot_parent.strip("/") if slot_parent.strip("/") else None
         self._covered = covered
         self._only = only
@@ -114,7 +118,7 @@ class ProcTasks:
         for pid in pids:
             if self._only is not None and not self._only(pid):
                 continue
-            cgroups = _read(self.proc / str(pid) / "cgroup")
+            cgroups = self._procfs.read_text(f"{pid}/cgroup")
             if cgroups is None:
                 continue  # exited while we looked
             in_slot, v2_path = self._classify(cgroups)
@@ -132,14 +136,14 @@ class ProcTasks:
     def write(self, item: Any, cpus: frozenset[int]) -> None:
         task: Task = item
         # A tid can be reused between the read and now; the start time tells the task we saw apart.
-        current = _read(self.proc / str(task.pid) / "task" / str(task.tid) / "stat")
+        current = self._procfs.read_text(f"{task.pid}/task/{task.tid}/stat")
         if current is None or int(parse_stat(current)[1][19]) != task.start:
             raise ProcessLookupError(errno.ESRCH, f"task {task.tid} exited")
         self._set(task.tid, cpus)
 
     def _task(self, pid: int, tid: int, *, in_slot: bool, covered: bool) -> Task | None:
         directory = self.proc / str(pid) / "task" / str(tid)
-        stat = _read(directory / "stat")
+        stat = self._procfs.read_text(f"{pid}/task/{tid}/stat")
         if stat is None:
             return None
         comm, fields = parse_stat(stat)
@@ -163,9 +167,7 @@ class ProcTasks:
         in_slot = False
         v2_path = None
         prefix = self._slot_prefix
-        for line in cgroups.splitlines():
-            hierarchy, _, rest = line.partition(":")
-            _, _, path = rest.partition(":")
+        for hierarchy, _controllers, path in parse_proc_cgroup(cgroups):
             if prefix is not None and (path == prefix or path.startswith(prefix + "/")):
                 in_slot = True
             if hierarchy == "0":
@@ -181,7 +183,7 @@ class ProcTasks:
 
     @staticmethod
     def _get_in_tree(_tid: int, directory: Path) -> frozenset[int] | None:
-        status = _read(directory / "status")
+        status = Procfs(directory).read_text("status")
         if status is None:
             return None
         for line in status.splitlines():
@@ -243,20 +245,21 @@ class Interrupts:
 
     def __init__(self, proc: Path = Path("/proc")) -> None:
         self.proc = proc
+        self._procfs = Procfs(proc)
 
     def read(self) -> list[Knob]:
-        irq_dir = self.proc / "irq"
-        if not irq_dir.is_dir():
+        irqs = self._procfs.listdir("irq") if self._procfs.is_dir("irq") else None
+        if irqs is None:
             return []
-        names = interrupt_names(_read(self.proc / "interrupts") or "")
+        names = interrupt_names(self._procfs.read_text("interrupts") or "")
         knobs: list[Knob] = []
-        for entry in sorted(irq_dir.iterdir(), key=lambda p: (len(p.name), p.name)):
-            if not entry.name.isdigit():
+        for irq in sorted(irqs, key=lambda name: (len(name), name)):
+            if not irq.isdigit():
                 continue
-            text = _read(entry / "smp_affinity_list")
+            text = self._procfs.read_text(f"irq/{irq}/smp_affinity_list")
             if text is not None:
-                knobs.append(Knob("irq", entry.name, parse_cpulist(text), names.get(entry.name, "")))
-        default = _read(irq_dir / "default_smp_affinity")
+                knobs.append(Knob("irq", irq, parse_cpulist(text), names.get(irq, "")))
+        default = self._procfs.read_text("irq/default_smp_affinity")
         if default is not None:
             knobs.append(Knob("irq-default", "default", parse_mask(default)))
         return knobs
@@ -269,16 +272,21 @@ class Interrupts:
             _write(self.proc / "irq" / knob.key / "smp_affinity_list", format_cpulist(cpus))
 
 
+#: Under /sys: the CPUs of unbound workqueues.
+CPUMASK = "devices/virtual/workqueue/cpumask"
+
+
 class Workqueue:
     """The CPUs unbound workqueues (and their kworkers) may use."""
 
     kinds = ("workqueue",)
 
     def __init__(self, sys: Path = Path("/sys")) -> None:
-        self.path = sys / "devices" / "virtual" / "workqueue" / "cpumask"
+        self._sysfs = Sysfs(sys)
+        self.path = Path(self._sysfs.path(CPUMASK))
 
     def read(self) -> list[Knob]:
-        text = _read(self.path)
+        text = self._sysfs.read_text(CPUMASK)
         return [] if text is None else [Knob("workqueue", "unbound", parse_mask(text))]
 
     def write(self, item: Any, cpus: frozenset[int]) -> None:
@@ -291,19 +299,18 @@ class Workqueue:
 SystemctlRunner = Callable[[Sequence[str]], None]
 
 
-def run_systemctl(args: Sequence[str]) -> None:
-    """``systemctl ARGS``; OSError (EIO) with systemctl's own words when it refuses."""
+def systemctl_write(args: Sequence[str]) -> None:
+    """``systemctl ARGS`` through the agent's one runner (cgroups/systemd.py); a refusal becomes
+    OSError (EIO) with systemctl's own words, as every write here reports."""
     try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise OSError(errno.EIO, f"systemctl {' '.join(args)}: {err}") from err
-    if done.returncode != 0:
-        raise OSError(errno.EIO, f"systemctl {' '.join(args)}: {done.stderr.strip() or done.returncode}")
+        run_systemctl(args)
+    except CgroupError as err:
+        raise OSError(errno.EIO, str(err)) from err
 
 
 def systemd_owns_cgroups(proc: Path = Path("/proc"), run: Path = Path("/run")) -> bool:
     """systemd is PID 1 and booted the system (sd_booted's test): it owns the cgroup tree."""
-    return (run / "systemd" / "system").is_dir() and (_read(proc / "1" / "comm") or "").strip() == "systemd"
+    return (run / "systemd" / "system").is_dir() and Procfs(proc).read_text("1/comm") == "systemd"
 
 
 class CgroupSiblings:
@@ -325,7 +332,7 @@ class CgroupSiblings:
         parent: str,
         *,
         systemd: bool = False,
-        systemctl: SystemctlRunner = run_systemctl,
+        systemctl: SystemctlRunner = systemctl_write,
     ) -> None:
         self.mount = mount
         self._route = [part for part in parent.strip("/").split("/") if part]
@@ -411,13 +418,14 @@ class IrqBalance:
 
     def __init__(self, proc: Path = Path("/proc"), run: Path = Path("/run")) -> None:
         self.proc = proc
+        self._procfs = Procfs(proc)
         self.run = run
 
     def find(self) -> int | None:
         with os.scandir(self.proc) as entries:
             pids = [e.name for e in entries if e.name.isdigit()]
         for pid in pids:
-            if (_read(self.proc / pid / "comm") or "").strip() == "irqbalance":
+            if self._procfs.read_text(f"{pid}/comm") == "irqbalance":
                 return int(pid)
         return None
 
@@ -467,6 +475,6 @@ __all__ = [
     "interrupt_names",
     "parse_mask",
     "parse_stat",
-    "run_systemctl",
+    "systemctl_write",
     "systemd_owns_cgroups",
 ]

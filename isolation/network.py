@@ -62,6 +62,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from nodeagent.errors import ConfigError, Conflict, InvalidRequest, NetworkError, os_error_message
 from nodeagent.kernelfs import Sysfs
+from nodeagent.libc import libc
 
 #: Network interfaces in sysfs: a name there is a link in this (the host's) network namespace.
 NET_CLASS = "class/net"
@@ -454,14 +455,9 @@ class NetworkBackend(Protocol):
 
 # --------------------------------------------------------------------------- kernel plumbing
 
-_libc: ctypes.CDLL | None = None
-
 
 def _libc_call(action: str, name: str, *args: object) -> None:
-    global _libc  # noqa: PLW0603 - loaded once, on first use
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(_libc, name)(*args) != 0:
+    if getattr(libc, name)(*args) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), action)
 

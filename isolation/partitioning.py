@@ -42,7 +42,7 @@ from nodeagent.isolation.host_kernel import (
     interrupt_counts,
     systemd_owns_cgroups,
 )
-from nodeagent.kernelfs import Sysfs
+from nodeagent.kernelfs import Procfs, Sysfs
 
 log = logging.getLogger("nodeagent.host")
 
@@ -131,9 +131,12 @@ class KernelHostPartitioning:
         now = self._monotonic()
         if self._irq is None or now - self._irq[0] >= self._irq_refresh:
             try:
-                self._irq = (now, interrupt_counts((self._proc / "interrupts").read_text()))
-            except OSError:
+                text = Procfs(self._proc).read_text("interrupts")
+            except NodeAgentError:
                 return None
+            if text is None:
+                return None
+            self._irq = (now, interrupt_counts(text))
         return self._irq[1]
 
     def status(self) -> dict[str, Any]:

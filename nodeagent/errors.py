@@ -44,6 +44,11 @@ class InvalidRequest(NodeAgentError):
 class DiscoveryError(NodeAgentError):
     code = "discovery_failed"
 
+    def __init__(self, message: str, *, errno_: int | None = None) -> None:
+        super().__init__(message)
+        #: What the kernel said, when a read failed (a caller may take EOPNOTSUPP as "none here").
+        self.errno = errno_
+
 
 class PlacementError(NodeAgentError):
     code = "does_not_fit"

@@ -5,10 +5,12 @@ root (``"devices/system/cpu/online"``, ``"self/mountinfo"``), so tests point the
 written into tmp_path, and a tree captured from another host reads like the live one. Every read
 keeps one contract:
 
-- an absent file or directory (ENOENT) is ``None``: what absence means is for the caller to say
-  (a kernel without NUMA has no node directory; a PCI function without SR-IOV no sriov_totalvfs);
+- an absent file or directory (ENOENT; in procfs also ESRCH, a process that ended between being
+  listed and being read) is ``None``: what absence means is for the caller to say (a kernel without
+  NUMA has no node directory; a PCI function without SR-IOV no sriov_totalvfs);
 - any other OSError becomes a :class:`~nodeagent.errors.DiscoveryError` naming the path, what the
-  kernel said and what to do;
+  kernel said and what to do, with the errno kept (``err.errno``) for a caller to whom one means
+  "not offered" (EOPNOTSUPP from /proc/pressure on a kernel booted with psi=0);
 - content that is not what was asked for (text, an integer, a cpulist) is a DiscoveryError quoting it.
 
 Only reads: cgroupfs has its own guarded read/write pair (``nodeagent.cgroups.fs``), and so has the
@@ -20,6 +22,7 @@ reads: ``pathlib`` and text-mode wrappers cost more than the kernel's read itsel
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -31,6 +34,8 @@ class KernelFs:
     """The reader sysfs and procfs share; ``kind`` names the tree in messages."""
 
     kind = "kernel"
+    #: What a read may fail with that means "not there" (None).
+    absent: frozenset[int] = frozenset({errno.ENOENT})
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -58,10 +63,10 @@ class KernelFs:
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
-            return None
         except OSError as err:
-            raise DiscoveryError(os_error_message(f"reading {path}", err)) from err
+            if err.errno in self.absent:
+                return None
+            raise DiscoveryError(os_error_message(f"reading {path}", err), errno_=err.errno) from err
 
     def read_text(self, rel: str) -> str | None:
         """The file's content without surrounding whitespace; None when it does not exist."""
@@ -103,7 +108,7 @@ class KernelFs:
         except NotADirectoryError as err:
             raise DiscoveryError(f"reading {path}: expected a directory, found a file") from err
         except OSError as err:
-            raise DiscoveryError(os_error_message(f"listing {path}", err)) from err
+            raise DiscoveryError(os_error_message(f"listing {path}", err), errno_=err.errno) from err
 
     def subdirs(self, rel: str) -> list[str] | None:
         """Names of the real directories in a directory (symlinks to directories left out), sorted;
@@ -116,7 +121,7 @@ class KernelFs:
         except FileNotFoundError:
             return None
         except OSError as err:
-            raise DiscoveryError(os_error_message(f"listing {path}", err)) from err
+            raise DiscoveryError(os_error_message(f"listing {path}", err), errno_=err.errno) from err
 
     def link_name(self, rel: str) -> str | None:
         """The last component of a symlink's target (``driver`` -> "vfio-pci"); None when absent."""
@@ -126,7 +131,7 @@ class KernelFs:
         except FileNotFoundError:
             return None
         except OSError as err:
-            raise DiscoveryError(os_error_message(f"reading link {path}", err)) from err
+            raise DiscoveryError(os_error_message(f"reading link {path}", err), errno_=err.errno) from err
 
     def real_path(self, rel: str) -> str:
         """``rel`` with every symlink resolved (where a class device really sits in the device tree)."""
@@ -153,6 +158,7 @@ class Procfs(KernelFs):
     """procfs: the kernel's and processes' state (``/proc``, or a fake tree)."""
 
     kind = "procfs"
+    absent = frozenset({errno.ENOENT, errno.ESRCH})
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         super().__init__(root)

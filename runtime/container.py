@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nodeagent.errors import CgroupError, InvalidRequest, WorkerError
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox.paths import describe, meets_hidden
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, WorkerHandle
@@ -189,37 +189,32 @@ def exec_argv(podman: str, config: PodmanConfig, slot_id: str, argv: Sequence[st
 def container_slots(podman: str, config: PodmanConfig) -> list[str]:
     """The slot ids of every container named like one of the agent's, in any state (one podman
     call; a leftover of any agent on this host may be among them)."""
-    try:
-        done = subprocess.run(
-            [
-                podman,
-                *config.global_args(),
-                "ps",
-                "--all",
-                "--filter",
-                f"name=^{NAME_PREFIX}",
-                "--format",
-                "{{.Names}}",
-            ],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=CHECK_TIMEOUT_SECONDS,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise WorkerError(f"list containers: {err}") from err
-    if done.returncode != 0:
-        raise WorkerError(f"list containers: {done.stderr.strip()}")
-    return [name.removeprefix(NAME_PREFIX) for name in done.stdout.split() if name.startswith(NAME_PREFIX)]
+    listed = _podman(
+        podman,
+        config,
+        "list containers",
+        "ps",
+        "--all",
+        "--filter",
+        f"name=^{NAME_PREFIX}",
+        "--format",
+        "{{.Names}}",
+    )
+    return [name.removeprefix(NAME_PREFIX) for name in listed.split() if name.startswith(NAME_PREFIX)]
 
 
 def remove_container(podman: str, config: PodmanConfig, slot_id: str) -> None:
     """Remove the slot's container whatever its state (gone already is fine); raises WorkerError
     when podman fails otherwise."""
+    name = container_name(slot_id)
+    _podman(podman, config, f"remove container {name}", "rm", "--force", "--ignore", "--time=0", name)
+
+
+def _podman(podman: str, config: PodmanConfig, what: str, *args: str) -> str:
+    """Run a short podman command; its output, or WorkerError saying ``what`` failed and why."""
     try:
         done = subprocess.run(
-            [podman, *config.global_args(), "rm", "--force", "--ignore", "--time=0", container_name(slot_id)],
+            [podman, *config.global_args(), *args],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -227,9 +222,10 @@ def remove_container(podman: str, config: PodmanConfig, slot_id: str) -> None:
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise WorkerError(f"remove container {container_name(slot_id)}: {err}") from err
+        raise WorkerError(f"{what}: {err}") from err
     if done.returncode != 0:
-        raise WorkerError(f"remove container {container_name(slot_id)}: {done.stderr.strip()}")
+        raise WorkerError(f"{what}: {done.stderr.strip()}")
+    return done.stdout
 
 
 class ContainerLauncher:

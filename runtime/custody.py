@@ -20,6 +20,8 @@ from pathlib import Path
 from nodeagent.errors import WorkerError
 from nodeagent.runtime.logs import LogStream
 from nodeagent.runtime.process import (
+    ORPHAN_GRACE_SECONDS,
+    STOP_REQUESTED,
     ExitRecord,
     ProcessIdentity,
     WorkerState,
@@ -265,6 +267,14 @@ class WorkerCustody:
         return {-worker.identity.pid}  # negative: the process group
 
     @staticmethod
+    def _stop_was_asked(worker: KeptWorker) -> bool:
+        """Whether the agent asked this launch to stop (runtime.process.STOP_REQUESTED)."""
+        try:
+            return (worker.run_dir / STOP_REQUESTED).read_text() == worker.launch_id
+        except OSError:
+            return False
+
+    @staticmethod
     def _signal(pids: set[int], sig: int) -> None:
         for pid in pids:
             try:
@@ -285,6 +295,8 @@ class WorkerCustody:
             return
         if worker.kill_at == 0.0:
             grace = worker.custody.stop_grace_seconds if worker.custody is not None else 30.0
+            if not self._stop_was_asked(worker):
+                grace = min(grace, ORPHAN_GRACE_SECONDS)
             worker.kill_at = now + grace
             self._signal(pids, signal.SIGTERM)
         elif not worker.killed and now >= worker.kill_at:

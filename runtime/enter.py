@@ -28,9 +28,10 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
+from nodeagent.libc import libc
 from nodeagent.runtime import sandbox
+from nodeagent.runtime.launch_request import LaunchRequest, joined_procs
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, read_oom_kills
-from nodeagent.runtime.request import LaunchRequest, joined_procs
 from nodeagent.runtime.sandbox.mounts import DEV_SHM, TMP
 
 CLONE_NEWNET = 0x40000000
@@ -43,8 +44,8 @@ FAILED_MARK = b"\x01"
 #: A pipe's default capacity: what one write is sure to fit into without the reader's help.
 _PIPE_DEFAULT = 65536
 
-#: Loaded once in the parent so the forked child does no dynamic loading.
-_libc = ctypes.CDLL(None, use_errno=True)
+#: The process's one libc handle, loaded in the parent so the forked child does no dynamic loading.
+_libc = libc
 
 #: Signals Python or the keeper set to something other than default; exec keeps "ignored".
 #: SIGPIPE is reset last, just before exec: until then a write to a keeper that died must fail

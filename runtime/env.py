@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import KernelError, translate_os_error
 
 SLOT_DESCRIPTION_SCHEMA = "nodeagent.slot/v1"
@@ -66,12 +66,9 @@ def thread_count(slot: SlotDescription) -> int:
 
 def write_slot_file(slot: SlotDescription, path: Path) -> Path:
     """Write the description atomically (a reader never sees half a file); world-readable."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(slot.to_json(), indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(slot.to_json(), indent=2, sort_keys=True) + "\n", mode=0o644)
     except OSError as err:
         raise translate_os_error(f"write slot description {path}", err, KernelError) from err
     return path

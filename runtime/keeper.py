@@ -64,10 +64,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from nodeagent.libc import libc
 from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime import sandbox
 from nodeagent.runtime.custody import INDEX_DIR, IO_DIR, READ_SIZE, KeptWorker, WorkerCustody, log, unlink
 from nodeagent.runtime.enter import FAILED_MARK, Trace, enter_slot_and_exec, prepare_child, report_failure
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.logs import LogStream
 from nodeagent.runtime.process import (
     Custody,
@@ -75,7 +77,6 @@ from nodeagent.runtime.process import (
     WorkerState,
     process_start_time,
 )
-from nodeagent.runtime.request import LaunchRequest
 
 PR_SET_CHILD_SUBREAPER = 36
 #: Capacity of a worker's stdout/stderr FIFO: what a worker may write while no keeper reads
@@ -84,7 +85,7 @@ FIFO_BYTES = 1 << 20
 #: Workers per status reply (each takes a few hundred bytes of a message's 64 KiB).
 STATUS_PAGE = 100
 
-_libc = ctypes.CDLL(None, use_errno=True)
+_libc = libc  # the process's one handle (nodeagent/libc.py)
 
 
 def _close(fd: int) -> None:

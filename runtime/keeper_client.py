@@ -44,6 +44,7 @@ from nodeagent.cgroups.delegation import KEEPER, ProcessPlacement
 from nodeagent.errors import WorkerError
 from nodeagent.runtime import keeper_protocol as proto
 from nodeagent.runtime.enter import Trace
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.process import (
     ProcessIdentity,
     WorkerProcess,
@@ -51,7 +52,6 @@ from nodeagent.runtime.process import (
     fd_fired,
     open_verified_pidfd,
 )
-from nodeagent.runtime.request import LaunchRequest
 
 log = logging.getLogger("nodeagent.keeper")
 

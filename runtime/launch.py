@@ -31,9 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import InvalidRequest, KernelError, translate_os_error
 from nodeagent.runtime.env import SlotDescription, thread_count, worker_environment, write_slot_file
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import Exposed, PrivateDir, SandboxSpec
 from nodeagent.schema.worker import WorkerSpec
 
@@ -165,10 +166,7 @@ def _write_files(directory: Path, files: Mapping[str, str]) -> None:
             if old.name not in files:
                 old.unlink()
         for name, text in files.items():
-            tmp = directory / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.chmod(0o644)
-            os.replace(tmp, directory / name)
+            write_atomic(directory / name, text, mode=0o644)
     except OSError as err:
         raise translate_os_error(f"write worker files in {directory}", err, KernelError) from err
 

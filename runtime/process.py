@@ -25,10 +25,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from nodeagent.atomicfile import write_atomic
 from nodeagent.errors import WorkerError
+from nodeagent.kernelfs import Procfs
 
 STATE_FILE = "worker.json"
 STATE_SCHEMA = "nodeagent.worker-state/v1"
+#: In a worker's run directory: the launch id of the launch the agent asked to stop. Once a main
+#: process ends, the keeper ends what is left of its tree (every task of its slot): with the stop
+#: grace after a stop the agent asked for, so helpers finish draining; with at most
+#: ORPHAN_GRACE_SECONDS after a main process ended on its own (a crash, an exit, the OOM killer),
+#: whose helpers are orphans of a server that is gone and whose restart waits for them.
+STOP_REQUESTED = "stop-requested"
+ORPHAN_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -177,23 +186,9 @@ def write_state(run_dir: Path, state: WorkerState, *, durable: bool = True) -> N
     it takes custody of a worker need not be: after a host crash that worker is gone anyway, and
     the previous record (or none) leads to the same verdict, so two fsyncs stay off the launch's
     heels."""
-    path = run_dir / STATE_FILE
-    tmp = run_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, json.dumps(state.to_json(), sort_keys=True).encode())
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if not durable:
-        return
-    directory = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)  # the rename itself
-    finally:
-        os.close(directory)
+    write_atomic(
+        run_dir / STATE_FILE, json.dumps(state.to_json(), sort_keys=True), mode=0o644, durable=durable
+    )
 
 
 def read_state(run_dir: Path) -> WorkerState | None:
@@ -215,9 +210,8 @@ def read_state(run_dir: Path) -> WorkerState | None:
 
 def process_start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """Field 22 of /proc/<pid>/stat, or None when no such process exists."""
-    try:
-        text = (proc / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    text = Procfs(proc).read_text(f"{pid}/stat")
+    if text is None:
         return None
     # comm (field 2) may hold spaces and parentheses; the fields after its last ')' are fixed.
     fields = text[text.rindex(")") + 2 :].split()
@@ -325,9 +319,15 @@ class WorkerProcess:
         return None if self._notice < 0 or self._exit is not None else self._notice
 
     def send_signal(self, sig: int) -> None:
-        """Signal the worker through its pidfd: never a stranger that inherited the pid."""
+        """Ask the worker to stop with ``sig``, through its pidfd: never a stranger that inherited
+        the pid. The run directory first says that this launch was asked to stop
+        (:data:`STOP_REQUESTED`), so that the keeper gives what is left of its tree, once the main
+        process ends, the whole stop grace to drain, not an orphan's."""
         if self._pidfd < 0:
             return
+        # Unwritten, the remainder of its tree gets an orphan's grace: shorter, never longer.
+        with contextlib.suppress(OSError):
+            (self.run_dir / STOP_REQUESTED).write_text(self.state.launch_id)
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, sig)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.errors import WorkerError
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.probes import ProbeResult, call_http, run_probe
 from nodeagent.runtime.process import ExitRecord
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.worker_kind import kind_of
 from nodeagent.schema.worker import PreStop, Probe, ProbeKind, RestartPolicy, WorkerSpec
 

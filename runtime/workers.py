@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from nodeagent.cgroups import CgroupHost, CgroupManager, open_manager
 from nodeagent.errors import WorkerError
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.runtime.adopt import resume_supervision
 from nodeagent.runtime.container import (
     CONTAINERS_CGROUP,
@@ -56,9 +56,9 @@ from nodeagent.runtime.container import (
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.keeper_client import KeeperClient
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.logs import LogLine, read_log
 from nodeagent.runtime.process import ExitRecord, ProcessIdentity, WorkerProcess
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import SandboxSpec
 from nodeagent.runtime.supervisor import Launcher, SlotCgroup, Supervisor, WorkerHandle
 from nodeagent.runtime.worker_kind import CONTAINER, PROCESS, WorkerKind, kind_of

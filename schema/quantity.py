@@ -11,7 +11,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from nodeagent.quantity import format_quantity, format_quantity_short
+from nodeagent.bytesize import format_quantity, format_quantity_short
 
 #: CPU quotas and GPU shares are kept in thousandths, like kubelet's millicores, so sums stay exact.
 MILLI = 1000

@@ -27,8 +27,7 @@ from pydantic import (
 )
 
 from nodeagent.errors import InvalidRequest
-from nodeagent.schema.base import AsTuple, StrictModel
-from nodeagent.schema.errors import invalid_request
+from nodeagent.schema.messages import invalid_request
 from nodeagent.schema.quantity import (
     MAX_BYTES,
     MILLI,
@@ -41,6 +40,7 @@ from nodeagent.schema.quantity import (
     parse_quantity,
     shown,
 )
+from nodeagent.schema.strict import AsTuple, StrictModel
 from nodeagent.schema.worker import WorkerSpec
 
 QoS = Literal["guaranteed", "burstable", "best-effort"]

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, WithJsonSchema, model_validator
 
-from nodeagent.schema.base import AsTuple, StrictModel
-from nodeagent.schema.errors import invalid_request
+from nodeagent.schema.messages import invalid_request
 from nodeagent.schema.quantity import MAX_BYTES, QUANTITY_PATTERN, parse_quantity, shown
+from nodeagent.schema.strict import AsTuple, StrictModel
 
 #: Open Inference Protocol (KServe v2) health paths: the default HTTP probes.
 OIP_READY_PATH = "/v2/health/ready"

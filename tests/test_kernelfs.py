@@ -3,10 +3,12 @@ and unparsable content are DiscoveryErrors naming the file, and the root is wher
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
 
+from nodeagent import kernelfs
 from nodeagent.errors import DiscoveryError
 from nodeagent.kernelfs import KernelFs, Procfs, Sysfs
 from tests.trees import Link, write_tree
@@ -113,3 +115,26 @@ def test_procfs_reads_a_fake_proc(root: Path) -> None:
     procfs = Procfs(root)
     assert procfs.read_text("self/status") == "Name:\tnodeagent\nState:\tR (running)"
     assert procfs.exists("self/status")
+
+
+def test_a_process_that_ends_mid_read_is_absent_in_procfs_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gone(*_args: object, **_kwargs: object) -> None:
+        raise ProcessLookupError(errno.ESRCH, "No such process")
+
+    monkeypatch.setattr(kernelfs, "open", gone, raising=False)
+    assert Procfs(tmp_path).read_text("42/stat") is None
+    with pytest.raises(DiscoveryError) as info:
+        Sysfs(tmp_path).read_text("devices/system/cpu/online")
+    assert info.value.errno == errno.ESRCH
+
+
+def test_a_refused_read_keeps_the_kernels_errno(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(kernelfs, "open", refused, raising=False)
+    with pytest.raises(DiscoveryError, match="pressure/cpu") as info:
+        Procfs(tmp_path).read_text("pressure/cpu")
+    assert info.value.errno == errno.EOPNOTSUPP

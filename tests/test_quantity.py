@@ -1,4 +1,4 @@
-"""Byte counts for people (nodeagent.quantity), and what the request schema parses back from them."""
+"""Byte counts for people (nodeagent.bytesize), and what the request schema parses back from them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeagent import quantity
+from nodeagent import bytesize
 from nodeagent.schema.quantity import parse_quantity
 
 KI, MI, GI = 2**10, 2**20, 2**30
@@ -26,7 +26,7 @@ KI, MI, GI = 2**10, 2**20, 2**30
     ],
 )
 def test_formats(nbytes: int, exact: str, short: str) -> None:
-    assert (quantity.format_quantity(nbytes), quantity.format_quantity_short(nbytes)) == (exact, short)
+    assert (bytesize.format_quantity(nbytes), bytesize.format_quantity_short(nbytes)) == (exact, short)
 
 
 @given(
@@ -36,4 +36,4 @@ def test_formats(nbytes: int, exact: str, short: str) -> None:
     )
 )
 def test_the_exact_form_parses_back_to_the_same_count(nbytes: int) -> None:
-    assert parse_quantity(quantity.format_quantity(nbytes)) == nbytes
+    assert parse_quantity(bytesize.format_quantity(nbytes)) == nbytes

@@ -221,6 +221,9 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
             mounts.make_read_only(CGROUP_ROOT)
     elif spec.cgroup_view == "namespace":
         with step(f"{CGROUP_ROOT} from the cgroup namespace"):
+            # Read here, not through nodeagent.kernelfs: this runs in the forked child, where a
+            # failure must stay the OSError the step reports (step, errno, message). The text is
+            # parsed by nodeagent.procfmt all the same.
             mounts.cgroup_namespace_view(CGROUP_ROOT, Path("/proc/self/mountinfo").read_text())
     if spec.read_only_root:
         with step("read-only root"):

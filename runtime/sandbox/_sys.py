@@ -9,11 +9,13 @@ exec path can report ``step\\0errno\\0message`` as it does for every other step.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 
-#: Loaded in the parent at import time: a child forked later must not run the dynamic loader.
-libc = ctypes.CDLL(None, use_errno=True)
+# The process's one libc handle (nodeagent/libc.py), loaded in the parent at import time: a child
+# forked later must not run the dynamic loader. Re-exported: the sandbox's modules take it from here,
+# where its prototypes are set.
+from nodeagent.libc import check, libc
+
 # ctypes looks a function up (dlsym) and builds its wrapper on first use, then caches it on the
 # handle; doing that here, once, keeps it off every forked child's launch path (~20 µs each).
 for _name in ("mount", "umount2", "unshare", "setns", "sethostname", "prctl", "capset", "syscall"):
@@ -35,17 +37,22 @@ CLONE_NEWPID = 0x20000000
 _MOUNT_SETATTR = {"x86_64": 442, "aarch64": 442}
 
 
-def check(result: int, what: str) -> int:
-    """Raise OSError(errno, strerror, what) when a libc call returned -1; else pass the result on."""
-    if result == -1:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), what)
-    return result
-
-
 def machine() -> str:
     return platform.machine()
 
 
 def mount_setattr_number() -> int | None:
     return _MOUNT_SETATTR.get(machine())
+
+
+__all__ = [
+    "CLONE_NEWCGROUP",
+    "CLONE_NEWIPC",
+    "CLONE_NEWNS",
+    "CLONE_NEWPID",
+    "CLONE_NEWUTS",
+    "check",
+    "libc",
+    "machine",
+    "mount_setattr_number",
+]

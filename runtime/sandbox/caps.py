@@ -14,11 +14,13 @@ Numbers and prctl options are from include/uapi/linux/capability.h and prctl.h.
 from __future__ import annotations
 
 import ctypes
+import errno
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from nodeagent.errors import InvalidRequest
+from nodeagent.kernelfs import Procfs
 from nodeagent.runtime.sandbox._sys import check, libc
 
 #: Capability names in kernel order (CAP_CHOWN is 0); kernels may know more than these.
@@ -103,7 +105,12 @@ def capability_mask(names: Iterable[str]) -> int:
 
 def last_capability(proc_root: Path = Path("/proc")) -> int:
     """The highest capability this kernel knows (/proc/sys/kernel/cap_last_cap, Linux 3.2+)."""
-    return int((proc_root / "sys/kernel/cap_last_cap").read_text())
+    last = Procfs(proc_root).read_int("sys/kernel/cap_last_cap")
+    if last is None:
+        raise FileNotFoundError(
+            errno.ENOENT, "Linux 3.2 or later is needed", str(proc_root / "sys/kernel/cap_last_cap")
+        )
+    return last
 
 
 def drop_bounding_set(keep_mask: int, last_cap: int) -> None:

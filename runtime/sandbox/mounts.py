@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodeagent import procfmt
 from nodeagent.errors import Unsupported
 from nodeagent.runtime.sandbox._sys import check, libc, mount_setattr_number
 from nodeagent.runtime.sandbox.spec import DeviceNode, PrivateDir
@@ -217,6 +218,8 @@ def make_read_only(path: str, mountinfo: str | None = None) -> None:
             return
         if ctypes.get_errno() != errno.ENOSYS:
             check(result, f"mount_setattr {path} read-only")
+    # Not through nodeagent.kernelfs: this runs in the forked child, where a failure must stay the
+    # OSError its step reports; nodeagent.procfmt parses the text.
     make_read_only_each(
         path, mountinfo if mountinfo is not None else Path("/proc/self/mountinfo").read_text()
     )
@@ -236,26 +239,14 @@ class MountEntry:
 
 def parse_mountinfo(text: str) -> list[MountEntry]:
     entries = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        fields = left.split()
-        fstype, source, super_options = [*right.split(), "", "", ""][:3]
+    for mount in procfmt.parse_mountinfo(text):
         flags = 0
-        for option in fields[5].split(","):
+        for option in mount.options.split(","):
             flags |= _MOUNT_FLAG_NAMES.get(option, 0)
         entries.append(
-            MountEntry(_unescape(fields[4]), _unescape(fields[3]), flags, fstype, source, super_options)
+            MountEntry(mount.mount_point, mount.root, flags, mount.fstype, mount.source, mount.super_options)
         )
     return entries
-
-
-def _unescape(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash as \ooo octal escapes.
-    if "\\" not in field:
-        return field
-    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
 
 
 def mounts_under(path: str, entries: Iterable[MountEntry]) -> list[MountEntry]:

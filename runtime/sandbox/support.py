@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodeagent.errors import DiscoveryError
+from nodeagent.kernelfs import Procfs
 from nodeagent.runtime.sandbox import mounts, seccomp
 from nodeagent.runtime.sandbox._sys import (
     CLONE_NEWCGROUP,
@@ -67,12 +69,6 @@ class SandboxSupport:
         }
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
 
 def _release_at_least(release: str, major: int, minor: int) -> bool:
     parts = release.split(".")
@@ -84,13 +80,21 @@ def _release_at_least(release: str, major: int, minor: int) -> bool:
 
 def probe(proc_root: Path = Path("/proc")) -> SandboxSupport:
     """What the kernel behind ``proc_root`` offers, from its files alone."""
-    release = (_read(proc_root / "sys/kernel/osrelease") or "").strip()
+    procfs = Procfs(proc_root)
+
+    def read(rel: str) -> str | None:
+        try:
+            return procfs.read_text(rel)
+        except DiscoveryError:
+            return None  # unreadable is as good as absent: the feature is not offered
+
+    release = read("sys/kernel/osrelease") or ""
     namespaces = frozenset(
         name for name, entry in NAMESPACE_FILES.items() if os.path.lexists(proc_root / "self/ns" / entry)
     )
-    max_userns = (_read(proc_root / "sys/user/max_user_namespaces") or "0").strip()
-    debian_switch = (_read(proc_root / "sys/kernel/unprivileged_userns_clone") or "1").strip()
-    actions = (_read(proc_root / "sys/kernel/seccomp/actions_avail") or "").split()
+    max_userns = read("sys/user/max_user_namespaces") or "0"
+    debian_switch = read("sys/kernel/unprivileged_userns_clone") or "1"
+    actions = (read("sys/kernel/seccomp/actions_avail") or "").split()
     return SandboxSupport(
         kernel=release,
         namespaces=namespaces,

@@ -19,7 +19,7 @@ from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.placement import Allocated, Assignment, capacity, plan
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.supervisor import Phase, WorkerStatus

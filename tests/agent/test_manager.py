@@ -21,14 +21,14 @@ from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, PlacementError, Unsupported
 from nodeagent.isolation.backend import NoIsolation, OwnedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.network import SlotNetwork
-from nodeagent.isolation.slot import AppliedSlot
-from nodeagent.isolation.spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.process import ExitRecord
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.supervisor import Supervisor
 from nodeagent.runtime.workers import Readoption
@@ -636,7 +636,7 @@ def test_stop_worker(make: Any, world: World) -> None:
 
 
 class FakeQos:
-    """What the QoS loop shows the manager (agent.qos.QosLoop implements it)."""
+    """What the QoS loop shows the manager (agent.qos_loop.QosLoop implements it)."""
 
     def __init__(self) -> None:
         self.admitted: list[tuple[str, float, int]] = []

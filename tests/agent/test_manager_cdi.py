@@ -13,9 +13,9 @@ from typing import Any
 import jsonschema
 import pytest
 
-from nodeagent.agent.cdi import SlotCdiSpecs
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests
+from nodeagent.agent.slot_cdi import SlotCdiSpecs
 from nodeagent.agent.state import StateStore
 from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.errors import NotFound, Unsupported

@@ -34,6 +34,9 @@ def test_document_describes_every_path_with_bearer_auth_except_health() -> None:
         "/v1/slots/{slot_id}/worker",
         "/v1/slots/{slot_id}/logs",
         "/v1/slots/{slot_id}/cdi",
+        "/v1/nri/containers",
+        "/v1/nri/containers/{container_id}",
+        "/v1/nri/synchronize",
     }
     assert doc["security"] == [{"bearerAuth": []}]
     assert doc["paths"]["/healthz"]["get"]["security"] == []

@@ -15,7 +15,7 @@ from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import SlotState
 from nodeagent.agent.state import StateStore
 from nodeagent.errors import Conflict, InvalidRequest
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.ports import PortWant, SlotPort
 from nodeagent.runtime.sandbox import SandboxSpec

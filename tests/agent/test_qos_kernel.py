@@ -18,7 +18,7 @@ import pytest
 from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
 from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_dir
 from nodeagent.agent.manager import SlotManager
-from nodeagent.agent.qos import QosLoop
+from nodeagent.agent.qos_loop import QosLoop
 from nodeagent.cgroups import detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nodeagent.agent.qos import RECENT_ACTIONS, QosLoop
+from nodeagent.agent.qos_loop import RECENT_ACTIONS, QosLoop
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.errors import CgroupError, NotFound, PlacementError
 from nodeagent.isolation.colocation import Action, ColocationConfig, Sample
@@ -77,7 +77,7 @@ class FakeManager:
 
 
 def _applied(s: Slot) -> Any:
-    from nodeagent.isolation.slot import AppliedSlot
+    from nodeagent.isolation.isolator import AppliedSlot
 
     return AppliedSlot(s.id, s.qos, f"na.slice/{s.id}", "v1", (), None, F(), None, None, False, 0, ())
 

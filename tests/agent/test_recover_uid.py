@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from nodeagent.agent.reconcile import _restore_uid, process_uid
+from nodeagent.agent.parts import IdentityPart, process_uid
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.sandbox_config import SandboxConfig
 from nodeagent.agent.state import StateStore
@@ -44,17 +44,13 @@ def worker() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def manager(store: StateStore) -> Any:
+def identity(store: StateStore) -> IdentityPart:
     sandbox = SimpleNamespace(active=True, config=SandboxConfig(uid_range=f"{FIRST}-{LAST}"))
-    return cast(Any, SimpleNamespace(_sandbox=sandbox, _store=store))
-
-
-def owned(*pids: int) -> Any:
-    return cast(Any, SimpleNamespace(slot_id="s1", pids=pids))
+    return IdentityPart(store, cast(Any, sandbox))
 
 
 def test_the_manifests_uid_comes_back_when_no_process_runs(store: StateStore) -> None:
-    said = _restore_uid(manager(store), "s1", owned(), {"sandbox_uid": FIRST + 3})
+    said = identity(store).restore("s1", (), {"sandbox_uid": FIRST + 3})
     assert said == f"; its workers keep uid {FIRST + 3}"
     assert store.get_sandbox_uid("s1") == FIRST + 3
     # Recorded in the manifest too, for the next loss.
@@ -85,7 +81,7 @@ def test_a_uid_another_slot_holds_is_not_restored(store: StateStore) -> None:
     held = store.sandbox_uid("s2", FIRST, LAST, lambda u: False)
     with pytest.raises(Conflict, match=f"uid {held} is held by slot s2"):
         store.restore_sandbox_uid("s1", held)
-    said = _restore_uid(manager(store), "s1", owned(), {"sandbox_uid": held})
+    said = identity(store).restore("s1", (), {"sandbox_uid": held})
     assert said.startswith(f"; its uid could not be restored (uid {held} is held by slot s2)")
     assert store.get_sandbox_uid("s1") is None  # its next worker gets one of its own
     assert store.get_sandbox_uid("s2") == held
@@ -97,7 +93,7 @@ def test_a_worker_running_outside_the_range_is_ended(
     uid = os.getuid()
     assert process_uid(worker.pid) == uid
     # The kernel's word wins over the manifest's: the uid the processes run as is what matters.
-    said = _restore_uid(manager(store), "s1", owned(worker.pid), {"sandbox_uid": FIRST})
+    said = identity(store).restore("s1", (worker.pid,), {"sandbox_uid": FIRST})
     assert f"uid {uid} lies outside [sandbox] uid_range {FIRST}-{LAST}" in said
     assert "its worker was ended and starts anew" in said
     assert worker.wait(timeout=60) == -signal.SIGKILL  # a bound on a hang, not on time

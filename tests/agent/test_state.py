@@ -16,7 +16,7 @@ from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.placement import Assignment
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.supervisor import Phase, WorkerStatus

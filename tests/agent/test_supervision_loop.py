@@ -21,10 +21,10 @@ import pytest
 
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.state import StateStore
-from nodeagent.isolation.slot import AppliedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.runtime.env import SlotDescription
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.process import ExitRecord
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.supervisor import Backoff, Supervisor
 from nodeagent.schema.request import parse_slot_request

@@ -17,7 +17,7 @@ from nodeagent.agent.daemon import build_isolation
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.state import StateStore
-from nodeagent.agent.systemd import (
+from nodeagent.agent.under_systemd import (
     CgroupLayout,
     cgroup_layout,
     check_slot_cgroups,

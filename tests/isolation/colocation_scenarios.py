@@ -22,9 +22,9 @@ from nodeagent.cgroups import CgroupHost, open_manager
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.isolation.colocation import Action, ColocationConfig, Decision, LoopState, decide
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.qos import quota_us
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 from ..cgroups.conftest import Child
 

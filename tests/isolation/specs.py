@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 MiB = 1 << 20
 F = frozenset

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.isolation.slot import SlotIsolator
+from nodeagent.isolation.isolator import SlotIsolator
 from tests.isolation.colocation_scenarios import StartIn, cpu_scenario, memory_scenario
 from tests.isolation.test_slot_kernel import host, isolator, start_in  # noqa: F401 - fixtures
 

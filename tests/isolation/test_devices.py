@@ -11,7 +11,7 @@ from nodeagent.cgroups import DeviceRule
 from nodeagent.devices.pci import DeviceNumber
 from nodeagent.errors import InvalidRequest, NotFound
 from nodeagent.isolation.devices import SAFE_DEVICES, device_rules, resolve_device_nodes, slot_device_rules
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 
 GPU0 = DeviceNumber("c", 195, 0)
 MIG_CAP = DeviceNumber("c", 237, 12)

@@ -50,7 +50,7 @@ from nodeagent.isolation.network import (
     plan_slot_network,
 )
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
-from nodeagent.isolation.spec import SlotNetworkSpec
+from nodeagent.isolation.slot_spec import SlotNetworkSpec
 from tests.isolation.netns import HostListener, base36, connect_from, listen_in, python_in, send_udp_from
 
 CONFIG = SlotNetworkConfig(cidr="10.231.0.0/16", veth_prefix="nah", nft_table="nodeagent")

@@ -24,9 +24,9 @@ import pytest
 
 from nodeagent.cgroups import detect
 from nodeagent.isolation.host import HostPartitioner
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.partitioning import RECORD_NAME, host_partitioner
-from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 from tests.isolation.specs import guaranteed
 
 pytestmark = pytest.mark.root

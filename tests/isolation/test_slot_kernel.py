@@ -20,6 +20,7 @@ from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, detect, open_
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator, slot_resources
 from nodeagent.isolation.network import (
     HostPort,
     SlotAccess,
@@ -30,8 +31,7 @@ from nodeagent.isolation.network import (
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
 from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator, slot_resources
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
     F,
@@ -410,6 +410,32 @@ def test_best_effort_class_is_an_idle_group(isolator: SlotIsolator, host: Cgroup
     assert not slot.sched_idle
     memory = host.v1_mounts["memory"] / slot.cgroup
     assert int((memory / "memory.soft_limit_in_bytes").read_text()) == 64 * MiB
+
+
+@pytest.mark.root
+def test_what_the_colocation_loop_holds_a_slot_to_survives_its_resize(
+    isolator: SlotIsolator, host: CgroupHost
+) -> None:
+    """The isolator is the one writer of a slot's cgroup: the loop's memory throttle and CPU quota
+    go through it, and a resize of the slot keeps them (its own soft limit would otherwise be
+    written over the throttle) until the loop lifts them."""
+    slot = isolator.apply(SlotIsolationSpec("e", "best-effort", memory_bytes=64 * MiB))
+    memory = host.v1_mounts["memory"] / slot.cgroup / "memory.soft_limit_in_bytes"
+    quota = host.v1_mounts["cpu"] / slot.cgroup / "cpu.cfs_quota_us"
+    isolator.hold_best_effort_slot("e", memory_high=16 * MiB, cpu_quota_us=20000)
+    assert int(memory.read_text()) == 16 * MiB
+    assert int(quota.read_text()) == 20000
+    isolator.resize(SlotIsolationSpec("e", "best-effort", memory_bytes=128 * MiB))
+    assert int(memory.read_text()) == 16 * MiB, "a resize kept the loop's throttle"
+    assert int(quota.read_text()) == 20000
+    isolator.hold_best_effort_slot("e", memory_high=None, own_memory_high=128 * MiB, cpu_quota_us=None)
+    assert int(memory.read_text()) == 128 * MiB
+    assert int(quota.read_text()) == -1
+    isolator.resize(SlotIsolationSpec("e", "best-effort", memory_bytes=96 * MiB))
+    assert int(memory.read_text()) == 96 * MiB, "lifted: the slot's own limit again"
+    isolator.release("e")
+    isolator.hold_best_effort_slot("e", memory_high=8 * MiB)  # gone meanwhile: not an error
+    assert not isolator._held_by_qos, "nothing is held for a slot that is gone"
 
 
 @pytest.mark.root

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from nodeagent.runtime.keeper_client import KeeperClient, keeper_identity, stop_keeper
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.process import ExitRecord, ProcessIdentity, open_verified_pidfd, read_state
-from nodeagent.runtime.request import LaunchRequest
 from tests.runtime.slotcg import V1Slot
 
 collect_ignore = [] if os.environ.get("NODEAGENT_IN_CGROUP2_VM") == "1" else ["v2vm"]

@@ -18,7 +18,7 @@ from nodeagent.runtime.container import (
     exec_argv,
     run_argv,
 )
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.sandbox.spec import DEFAULT_NAMESPACES, SandboxSpec
 from nodeagent.runtime.supervisor import WorkerHandle
 from nodeagent.schema.worker import WorkerSpec, parse_worker_spec
@@ -252,7 +252,7 @@ def test_v2_the_slot_is_prepared_before_the_launch_and_a_failure_says_why(tmp_pa
 
 
 def test_a_cgroup_leaf_is_joined_instead_of_the_slot_and_travels_only_when_set() -> None:
-    from nodeagent.runtime.request import joined_procs
+    from nodeagent.runtime.launch_request import joined_procs
 
     procs = ("/sys/fs/cgroup/a.slice/s1/cgroup.procs",)
     plain = LaunchRequest(launch_id="s1", argv=("x",), env={}, run_dir="/r", log_dir="/l", cgroup_procs=procs)

@@ -20,6 +20,7 @@ from nodeagent.runtime.adopt import adopt
 from nodeagent.runtime.keeper_client import KeeperClient, keeper_identity, stop_keeper
 from nodeagent.runtime.logs import read_log
 from nodeagent.runtime.process import (
+    ORPHAN_GRACE_SECONDS,
     ExitRecord,
     ProcessIdentity,
     WorkerProcess,
@@ -199,6 +200,37 @@ def test_when_the_main_process_exits_nothing_of_its_tree_runs_on(tmp_path, slot,
         assert recorded_after >= 0.5  # SIGKILL came after the grace period
     else:
         assert recorded_after < 0.5  # SIGTERM was enough
+
+
+@pytest.mark.root
+def test_helpers_of_a_main_process_that_ended_on_its_own_get_an_orphans_grace(tmp_path, slot, keeper):
+    """A server that crashed left helpers that ignore SIGTERM: its restart must not wait for its
+    whole stop grace (30 s here) before they are killed, only for ORPHAN_GRACE_SECONDS."""
+    script = "sh -c \"trap '' TERM; sleep 300\" & sleep 0.3; exit 3"
+    req = make_request(tmp_path, slot, ["sh", "-c", script], stop_grace_seconds=30)
+    keeper.launch(req).close()
+    record = wait_for_exit(Path(req.run_dir), timeout=ORPHAN_GRACE_SECONDS + 20)
+    assert (record.code, record.reason) == (3, "exited")
+    assert slot.pids() == []
+    recorded_after = (Path(req.run_dir) / "worker.json").stat().st_mtime - record.finished_at
+    assert ORPHAN_GRACE_SECONDS <= recorded_after < 30  # killed after the orphan's grace, not the stop's
+
+
+@pytest.mark.root
+def test_helpers_of_a_worker_asked_to_stop_get_the_whole_stop_grace(tmp_path, slot, keeper):
+    """Asked to stop (through its handle), the main process exits at once; its helper, still
+    draining (it ignores SIGTERM), is killed only when the stop grace is over."""
+    grace = ORPHAN_GRACE_SECONDS + 1.5
+    script = "sh -c \"trap '' TERM; sleep 300\" & trap 'exit 0' TERM; sleep 300 & wait"
+    req = make_request(tmp_path, slot, ["sh", "-c", script], stop_grace_seconds=grace)
+    worker = keeper.launch(req)
+    wait_until("the helper", lambda: len(slot.pids()) >= 3)
+    worker.send_signal(signal.SIGTERM)
+    record = wait_for_exit(Path(req.run_dir), timeout=grace + 20)
+    worker.close()
+    assert slot.pids() == []
+    recorded_after = (Path(req.run_dir) / "worker.json").stat().st_mtime - record.finished_at
+    assert recorded_after >= grace
 
 
 @pytest.mark.root

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.probes import (
     body_matches,
     check_probe,
@@ -23,7 +24,6 @@ from nodeagent.runtime.probes import (
     run_probe,
     same_json,
 )
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.supervisor import Phase, Supervisor
 from nodeagent.schema.worker import BodyMatch, Probe, WorkerSpec, parse_worker_spec
 from tests.runtime.test_supervisor import FakeCgroup, FakeLauncher

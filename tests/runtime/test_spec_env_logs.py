@@ -8,8 +8,8 @@ import pytest
 
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.env import SlotDescription, worker_environment, write_slot_file
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.presets import EVERY_ADDRESS, LOOPBACK, resolve
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.schema.worker import ProbeKind, RestartPolicy, parse_worker_spec
 
 

@@ -108,7 +108,7 @@ AGENT = """
 import json, sys, time
 from pathlib import Path
 from nodeagent.runtime.keeper_client import KeeperClient
-from nodeagent.runtime.request import LaunchRequest
+from nodeagent.runtime.launch_request import LaunchRequest
 worker = KeeperClient(Path(sys.argv[2])).launch(LaunchRequest.from_json(json.loads(sys.argv[1])))
 print(json.dumps({"pid": worker.pid, "start_time": worker.identity.start_time}), flush=True)
 time.sleep(600)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from nodeagent.errors import WorkerError
+from nodeagent.runtime.launch_request import LaunchRequest
 from nodeagent.runtime.probes import ProbeResult
 from nodeagent.runtime.process import ExitRecord
-from nodeagent.runtime.request import LaunchRequest
 from nodeagent.runtime.supervisor import (
     DEFINITE_BACKOFF_MAX_SECONDS,
     Backoff,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroups import CgroupHost, detect
+from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.slot import AppliedSlot, SlotIsolator
-from nodeagent.isolation.spec import IsolatorConfig
+from nodeagent.isolation.slot_spec import IsolatorConfig
 
 from ...cgroups.conftest import Child
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.isolation.slot import SlotIsolator
+from nodeagent.isolation.isolator import SlotIsolator
 from tests.isolation.colocation_scenarios import StartIn, cpu_scenario, memory_scenario
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ import pytest
 from nodeagent.cgroups import CgroupHost, detect
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.isolation.host_kernel import parse_mask
+from nodeagent.isolation.isolator import SlotIsolator
 from nodeagent.isolation.partitioning import RECORD_NAME, host_partitioner
-from nodeagent.isolation.slot import SlotIsolator
 from tests.daemon import DaemonProcess, wait_until
 from tests.isolation.specs import guaranteed
 

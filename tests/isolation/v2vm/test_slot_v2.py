@@ -13,8 +13,8 @@ import pytest
 from nodeagent.cgroups import CgroupHost, bpf, open_manager
 from nodeagent.cgroups.detect import V2_CONTROLLERS
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest
-from nodeagent.isolation.slot import SlotIsolator
-from nodeagent.isolation.spec import SlotIsolationSpec
+from nodeagent.isolation.isolator import SlotIsolator
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 from tests.isolation.specs import (
     PINNED_WITH_A_THREAD,
     F,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from nodeagent.agent import notify
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.state import StateStore
+from nodeagent.atomicfile import write_atomic
 from nodeagent.cgroups import CgroupHost
 from nodeagent.cgroups.delegation import ProcessPlacement, prepare
 from nodeagent.cgroups.systemd import (
@@ -41,7 +41,8 @@ from nodeagent.cgroups.systemd import (
     run_systemctl,
     unit_of,
 )
-from nodeagent.errors import CgroupError, ConfigError, NodeAgentError
+from nodeagent.errors import CgroupError, ConfigError, DiscoveryError, NodeAgentError
+from nodeagent.kernelfs import Procfs
 
 log = logging.getLogger("nodeagent.systemd")
 
@@ -69,10 +70,10 @@ class CgroupLayout:
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
     """The systemd unit this process runs in, read from /proc/self/cgroup (None when none)."""
     try:
-        text = (proc_root / "self" / "cgroup").read_text()
-    except OSError:
+        text = Procfs(proc_root).read_text("self/cgroup")
+    except DiscoveryError:
         return None
-    cgroup = own_cgroup(text)
+    cgroup = None if text is None else own_cgroup(text)
     return None if cgroup is None else unit_of(cgroup)
 
 
@@ -178,10 +179,7 @@ def stop_workers_with_agent(state_dir: Path, manager: SlotManager) -> list[str]:
 def remember_stopped_workers(state_dir: Path, slot_ids: list[str]) -> None:
     """Record the slots whose workers the agent is about to stop (before it stops them: a crash
     half-way still brings back those it stopped)."""
-    path = state_dir / STOPPED_WITH_AGENT
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(sorted(slot_ids)))
-    os.replace(tmp, path)
+    write_atomic(state_dir / STOPPED_WITH_AGENT, json.dumps(sorted(slot_ids)))
 
 
 def take_stopped_workers(state_dir: Path) -> frozenset[str]:

@@ -1,7 +1,7 @@
 """What isolation needs to know about one slot, and how the host's isolation is configured.
 
 isolation/ does not import the agent: the agent fills a :class:`SlotIsolationSpec` from a
-placement Assignment, and :class:`~nodeagent.isolation.slot.SlotIsolator` turns it into kernel
+placement Assignment, and :class:`~nodeagent.isolation.isolator.SlotIsolator` turns it into kernel
 state. Both dataclasses are frozen and validated on construction, so a spec that exists is one the
 isolator can act on.
 """

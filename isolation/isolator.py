@@ -20,9 +20,9 @@ so an agent that restarts can list what it owns and remove orphans.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import ipaddress
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -44,7 +44,15 @@ from nodeagent.cgroups import (
 )
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.devices.cpu import discover_cpu_topology
-from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
+from nodeagent.errors import (
+    CgroupError,
+    Conflict,
+    DiscoveryError,
+    InvalidRequest,
+    NetworkError,
+    NotFound,
+    Unsupported,
+)
 from nodeagent.isolation.cpus import CpuLayout, SharedPool
 from nodeagent.isolation.devices import slot_device_rules
 from nodeagent.isolation.firewall import NftFirewall
@@ -71,7 +79,7 @@ from nodeagent.isolation.qos import (
     quota_us,
 )
 from nodeagent.isolation.resctrl import Resctrl
-from nodeagent.isolation.spec import IsolatorConfig, SlotIsolationSpec
+from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]
@@ -196,6 +204,29 @@ def slot_resources(
     )
 
 
+class _Keep:
+    """Leave this limit as it is (:meth:`SlotIsolator.hold_best_effort_slot`)."""
+
+
+KEEP = _Keep()
+
+
+def _with_held(resources: CgroupLimits, held: CgroupLimits | None) -> CgroupLimits:
+    """The slot's own limits with what the colocation loop holds it to in their place."""
+    if held is None:
+        return resources
+    if held.memory_high is not None:
+        own = resources.memory_high
+        resources = dataclasses.replace(
+            resources, memory_high=held.memory_high if own is None else min(own, held.memory_high)
+        )
+    if held.cpu_quota_us is not None:
+        resources = dataclasses.replace(
+            resources, cpu_quota_us=held.cpu_quota_us, cpu_period_us=held.cpu_period_us
+        )
+    return resources
+
+
 def slot_cpu_request(spec: SlotIsolationSpec) -> float | None:
     """The CPU count the QoS class sizes weights and quotas from."""
     if spec.qos == "guaranteed":
@@ -231,6 +262,10 @@ class SlotIsolator:
         self._pool: SharedPool | None = None
         self._ready = False
         self._lock = threading.RLock()
+        #: What the colocation loop holds a best-effort slot to (memory.high, CPU quota), by slot id:
+        #: the isolator is the one writer of a slot's cgroup, so a resize or a re-apply keeps the
+        #: loop's limit instead of writing the slot's own over it (:meth:`hold_best_effort_slot`).
+        self._held_by_qos: dict[str, CgroupLimits] = {}
 
     # -- collaborators, created on first use ----------------------------------------------------
 
@@ -329,6 +364,7 @@ class SlotIsolator:
         with self._lock:
             for relpath in self._candidate_paths(slot_id):
                 remove_subtree(self.host, relpath, self.config.kill_timeout_s)
+            self._held_by_qos.pop(slot_id, None)
             if self._has_network(slot_id):
                 self.network.teardown(slot_id)
             if self._resctrl_mounted():
@@ -437,6 +473,43 @@ class SlotIsolator:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def hold_best_effort_slot(
+        self,
+        slot_id: str,
+        *,
+        memory_high: int | _Keep | None = KEEP,
+        cpu_quota_us: int | _Keep | None = KEEP,
+        own_memory_high: int | None = None,
+    ) -> None:
+        """What the colocation loop holds a best-effort slot to, written now and kept by every
+        later apply or resize of the slot until lifted or the slot is released: ``memory_high``
+        (its throttle; None lifts it, back to ``own_memory_high``, the slot's own memory.high) and
+        ``cpu_quota_us`` (None lifts it). A slot that is gone meanwhile is not an error."""
+        validate_slot_id(slot_id)
+        with self._lock:
+            held = self._held_by_qos.get(slot_id, CgroupLimits())
+            write = CgroupLimits()
+            if not isinstance(memory_high, _Keep):
+                held = dataclasses.replace(held, memory_high=memory_high)
+                value = own_memory_high if memory_high is None else memory_high
+                write = dataclasses.replace(write, memory_high=UNLIMITED if value is None else value)
+            if not isinstance(cpu_quota_us, _Keep):
+                period = self.config.qos.cfs_period_us
+                held = dataclasses.replace(held, cpu_quota_us=cpu_quota_us, cpu_period_us=period)
+                quota = UNLIMITED if cpu_quota_us is None else cpu_quota_us
+                write = dataclasses.replace(write, cpu_quota_us=quota, cpu_period_us=period)
+            if held.memory_high is None and held.cpu_quota_us is None:
+                self._held_by_qos.pop(slot_id, None)
+            else:
+                self._held_by_qos[slot_id] = held
+            manager = open_manager(self.host, self.hierarchy.slot_path(slot_id, "best-effort"))
+            try:
+                manager.set(write)
+            except CgroupError as err:
+                if err.errno not in (errno.ENOENT, errno.ENODEV):
+                    raise
+                self._held_by_qos.pop(slot_id, None)  # released meanwhile: nothing to hold
+
     def _apply(self, spec: SlotIsolationSpec, *, must_exist: bool) -> AppliedSlot:
         rules = slot_device_rules(spec, self.config)
         if spec.l3 is not None:
@@ -459,7 +532,8 @@ class SlotIsolator:
             manager.create(cpus if spec.exclusive else None)
             if not existed:
                 undo.append(lambda: remove_subtree(self.host, relpath, self.config.kill_timeout_s))
-            manager.set(slot_resources(spec, params, cpus, swap_limit=_swap_limit_supported(manager)))
+            resources = slot_resources(spec, params, cpus, swap_limit=_swap_limit_supported(manager))
+            manager.set(_with_held(resources, self._held_by_qos.get(spec.slot_id)))
             _set_io_weight(manager, params.io_weight)
             apply_device_rules(manager, rules)
             if spec.exclusive and existed:
@@ -678,8 +752,8 @@ def _set_io_weight(manager: CgroupManager, weight: int) -> None:
 
 def _interface_names() -> list[str]:
     try:
-        return os.listdir("/sys/class/net")
-    except OSError:
+        return Sysfs().listdir("class/net") or []
+    except DiscoveryError:
         return []
 
 

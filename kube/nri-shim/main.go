@@ -1,0 +1,330 @@
+// nri-shim: containerd's NRI events, forwarded to the nodeagent over its unix socket.
+//
+// It holds no state and decides nothing: each CreateContainer, StopContainer, RemoveContainer and
+// Synchronize is sent as JSON (the pod's identity, QoS class and cgroup parent, the container's
+// Linux resources, the pod's nodeagent.io/ annotations) to the agent's /v1/nri/ endpoints, and the
+// agent's answer becomes the container's adjustment (cpuset cpus and mems, memory limit). A refusal
+// fails the container's creation with the agent's reason; an agent that does not answer within
+// -timeout fails it too, so the kubelet is never blocked for long.
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/signal"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/containerd/nri/pkg/api"
+	"github.com/containerd/nri/pkg/stub"
+)
+
+const annotationPrefix = "nodeagent.io/"
+
+type podRef struct {
+	UID          string            `json:"uid"`
+	Namespace    string            `json:"namespace"`
+	Name         string            `json:"name"`
+	CgroupParent string            `json:"cgroup_parent"`
+	Annotations  map[string]string `json:"annotations"`
+}
+
+type linuxResources struct {
+	CPUShares   uint64 `json:"cpu_shares"`
+	CPUQuota    int64  `json:"cpu_quota"`
+	CPUPeriod   uint64 `json:"cpu_period"`
+	MemoryLimit int64  `json:"memory_limit"`
+}
+
+type container struct {
+	ID        string         `json:"id"`
+	Name      string         `json:"name"`
+	Pod       podRef         `json:"pod"`
+	Resources linuxResources `json:"resources"`
+}
+
+type adjustment struct {
+	ContainerID string `json:"container_id"`
+	CPUSetCPUs  string `json:"cpuset_cpus"`
+	CPUSetMems  string `json:"cpuset_mems"`
+	MemoryLimit int64  `json:"memory_limit"`
+}
+
+type syncResult struct {
+	Updates  []adjustment      `json:"updates"`
+	Released []string          `json:"released"`
+	Refused  map[string]string `json:"refused"`
+}
+
+type agentError struct {
+	Error struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+type plugin struct {
+	client  *http.Client
+	token   string
+	timeout time.Duration
+	// lost: a call found the agent unreachable. The agent has then missed events (a container
+	// stopped meanwhile keeps its slot), so once it answers again the shim registers anew, and
+	// containerd's Synchronize at registration brings the agent up to date.
+	lost atomic.Bool
+	// failOpen: an unreachable agent lets the container be created as the kubelet asked (a refusal
+	// still fails it); the Synchronize after the agent is back places it.
+	failOpen bool
+}
+
+// unreachable: the agent did not answer (as opposed to answering with a refusal).
+type unreachable struct{ err error }
+
+func (u unreachable) Error() string { return u.err.Error() }
+func (u unreachable) Unwrap() error { return u.err }
+
+// call sends one request to the agent and decodes its JSON answer into out (nil: none expected).
+func (p *plugin) call(ctx context.Context, method, path string, body, out any) error {
+	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	defer cancel()
+	var reader io.Reader
+	if body != nil {
+		data, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		reader = bytes.NewReader(data)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://nodeagent"+path, reader)
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+p.token)
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		p.lost.Store(true)
+		return unreachable{fmt.Errorf("nodeagent did not answer %s %s: %w", method, path, err)}
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		return fmt.Errorf("nodeagent's answer to %s %s: %w", method, path, err)
+	}
+	if resp.StatusCode >= 300 {
+		var e agentError
+		if json.Unmarshal(data, &e) == nil && e.Error.Message != "" {
+			return fmt.Errorf("nodeagent refused (%d %s): %s", resp.StatusCode, e.Error.Code, e.Error.Message)
+		}
+		return fmt.Errorf("nodeagent answered %s to %s %s", resp.Status, method, path)
+	}
+	if out == nil {
+		return nil
+	}
+	return json.Unmarshal(data, out)
+}
+
+func describe(pod *api.PodSandbox, ctr *api.Container) container {
+	c := container{ID: ctr.GetId(), Name: ctr.GetName()}
+	if pod != nil {
+		c.Pod = podRef{
+			UID:          pod.GetUid(),
+			Namespace:    pod.GetNamespace(),
+			Name:         pod.GetName(),
+			CgroupParent: pod.GetLinux().GetCgroupParent(),
+			Annotations:  map[string]string{},
+		}
+		// Only the agent's own keys travel; the agent checks them (unknown ones are refused).
+		for k, v := range pod.GetAnnotations() {
+			if strings.HasPrefix(k, annotationPrefix) {
+				c.Pod.Annotations[k] = v
+			}
+		}
+	}
+	if c.Pod.CgroupParent == "" {
+		c.Pod.CgroupParent = ctr.GetLinux().GetCgroupsPath()
+	}
+	res := ctr.GetLinux().GetResources()
+	if cpu := res.GetCpu(); cpu != nil {
+		c.Resources.CPUShares = cpu.GetShares().GetValue()
+		c.Resources.CPUQuota = cpu.GetQuota().GetValue()
+		c.Resources.CPUPeriod = cpu.GetPeriod().GetValue()
+	}
+	c.Resources.MemoryLimit = res.GetMemory().GetLimit().GetValue()
+	return c
+}
+
+func (p *plugin) CreateContainer(ctx context.Context, pod *api.PodSandbox, ctr *api.Container) (*api.ContainerAdjustment, []*api.ContainerUpdate, error) {
+	var a adjustment
+	if err := p.call(ctx, http.MethodPost, "/v1/nri/containers", describe(pod, ctr), &a); err != nil {
+		var u unreachable
+		if p.failOpen && errors.As(err, &u) {
+			fmt.Fprintf(os.Stderr, "nri-shim: container %s created unplaced (-fail-open): %v\n", ctr.GetId(), err)
+			return nil, nil, nil
+		}
+		return nil, nil, err
+	}
+	adj := &api.ContainerAdjustment{}
+	if a.CPUSetCPUs != "" {
+		adj.SetLinuxCPUSetCPUs(a.CPUSetCPUs)
+	}
+	if a.CPUSetMems != "" {
+		adj.SetLinuxCPUSetMems(a.CPUSetMems)
+	}
+	if a.MemoryLimit > 0 {
+		adj.SetLinuxMemoryLimit(a.MemoryLimit)
+	}
+	return adj, nil, nil
+}
+
+func (p *plugin) release(ctx context.Context, ctr *api.Container) error {
+	return p.call(ctx, http.MethodDelete, "/v1/nri/containers/"+url.PathEscape(ctr.GetId()), nil, nil)
+}
+
+func (p *plugin) StopContainer(ctx context.Context, _ *api.PodSandbox, ctr *api.Container) ([]*api.ContainerUpdate, error) {
+	return nil, p.release(ctx, ctr)
+}
+
+func (p *plugin) RemoveContainer(ctx context.Context, _ *api.PodSandbox, ctr *api.Container) error {
+	return p.release(ctx, ctr)
+}
+
+func (p *plugin) Synchronize(ctx context.Context, pods []*api.PodSandbox, ctrs []*api.Container) ([]*api.ContainerUpdate, error) {
+	byID := map[string]*api.PodSandbox{}
+	for _, pod := range pods {
+		byID[pod.GetId()] = pod
+	}
+	list := []container{}
+	for _, ctr := range ctrs {
+		// A stopped container holds nothing: its slot (if any) is released by leaving it out.
+		if ctr.GetState() == api.ContainerState_CONTAINER_STOPPED {
+			continue
+		}
+		list = append(list, describe(byID[ctr.GetPodSandboxId()], ctr))
+	}
+	var r syncResult
+	if err := p.call(ctx, http.MethodPost, "/v1/nri/synchronize", map[string]any{"containers": list}, &r); err != nil {
+		return nil, err
+	}
+	for id, why := range r.Refused {
+		fmt.Fprintf(os.Stderr, "nri-shim: container %s keeps running unplaced: %s\n", id, why)
+	}
+	updates := []*api.ContainerUpdate{}
+	for _, a := range r.Updates {
+		if a.CPUSetCPUs == "" && a.CPUSetMems == "" && a.MemoryLimit <= 0 {
+			continue
+		}
+		u := &api.ContainerUpdate{}
+		u.SetContainerId(a.ContainerID)
+		if a.CPUSetCPUs != "" {
+			u.SetLinuxCPUSetCPUs(a.CPUSetCPUs)
+		}
+		if a.CPUSetMems != "" {
+			u.SetLinuxCPUSetMems(a.CPUSetMems)
+		}
+		if a.MemoryLimit > 0 {
+			u.SetLinuxMemoryLimit(a.MemoryLimit)
+		}
+		updates = append(updates, u)
+	}
+	return updates, nil
+}
+
+// ready: the agent answers /readyz (no token needed) with 200.
+func (p *plugin) ready(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://nodeagent/readyz", nil)
+	if err != nil {
+		return false
+	}
+	resp, err := p.client.Do(req)
+	if err != nil {
+		return false
+	}
+	_ = resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// watch ends the registration (cancel) once the agent answers again after it was lost.
+func (p *plugin) watch(ctx context.Context, cancel context.CancelFunc) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			if p.lost.Load() && p.ready(ctx) {
+				p.lost.Store(false)
+				fmt.Fprintln(os.Stderr, "nri-shim: the agent answers again: registering anew to synchronize it")
+				cancel()
+				return
+			}
+		}
+	}
+}
+
+func main() {
+	agentSocket := flag.String("agent-socket", "/run/nodeagent/api.sock", "the agent's API unix socket ([api] unix_socket)")
+	tokenFile := flag.String("token-file", "/var/lib/nodeagent/token", "the agent's API token file")
+	nriSocket := flag.String("nri-socket", "/var/run/nri/nri.sock", "containerd's NRI socket")
+	name := flag.String("name", "nodeagent", "plugin name")
+	idx := flag.String("idx", "10", "plugin index (its order among NRI plugins)")
+	timeout := flag.Duration("timeout", 2*time.Second, "how long one call to the agent may take")
+	failOpen := flag.Bool("fail-open", false, "create containers unplaced while the agent does not answer (a refusal still fails them)")
+	flag.Parse()
+
+	raw, err := os.ReadFile(*tokenFile)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "nri-shim: reading the agent's token: %v\n", err)
+		os.Exit(1)
+	}
+	sock := *agentSocket
+	p := &plugin{
+		token:    strings.TrimSpace(string(raw)),
+		timeout:  *timeout,
+		failOpen: *failOpen,
+		client: &http.Client{Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", sock)
+			},
+			MaxIdleConns: 4,
+		}},
+	}
+	stop, _ := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	// One registration per turn: a lost agent that answers again, or containerd going away
+	// (a restart), ends it; the next one gets containerd's Synchronize. Only a signal ends the shim.
+	for stop.Err() == nil {
+		s, err := stub.New(p, stub.WithPluginName(*name), stub.WithPluginIdx(*idx), stub.WithSocketPath(*nriSocket),
+			stub.WithOnClose(func() {}))
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: %v\n", err)
+			os.Exit(1)
+		}
+		ctx, cancel := context.WithCancel(stop)
+		go p.watch(ctx, cancel)
+		err = s.Run(ctx)
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: %v; registering again in 1s\n", err)
+			select {
+			case <-stop.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+}
