@@ -218,7 +218,7 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
     for daemon in made:
         daemon.stop()
         daemon.stop_keeper()
-        isolation = {"cgroup_parent": API_PARENT, **HOST_OFF}
+        isolation = {"cgroup_parent": API_PARENT, "firewall_table": API_TABLE, **HOST_OFF}
         cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state)
         backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
         if isinstance(backend, KernelIsolation):
