@@ -24,7 +24,7 @@ from nodeagent.agent.daemon import build_isolation
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
-from nodeagent.runtime.container import container_name
+from nodeagent.runtime.container import PodmanConfig, container_name, container_slots
 from tests.daemon import DaemonProcess
 
 #: The applets linked into /bin (busybox finds its applet from argv[0]).
@@ -158,3 +158,8 @@ def container_daemon(
         kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
         if isinstance(kernel, KernelIsolation):
             kernel.isolator.remove_all()
+
+
+def has_container(slot_id: str) -> bool:
+    """Whether podman holds the slot's container, in any state."""
+    return slot_id in container_slots("podman", PodmanConfig())

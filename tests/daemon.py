@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from nodeagent.agent.config import load_config
+from nodeagent.agent.config import AgentConfig, load_config
 from nodeagent.isolation.api_guard import ApiGuard, table_name
 from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime import keeper_protocol
@@ -195,3 +195,24 @@ class DaemonProcess:
                 self.process.wait(timeout=30)
         code, self.process = self.process.returncode, None
         return code
+
+
+def remove_agent_objects(config: AgentConfig) -> None:
+    """Everything an agent of ``config`` left on the host: its keeper, the processes in its slots,
+    its cgroups, network namespaces, veths and firewall table (the uninstall path)."""
+    from nodeagent.agent.daemon import build_isolation
+    from nodeagent.cgroups import detect
+    from nodeagent.devices.discovery import discover
+    from nodeagent.isolation.backend import KernelIsolation
+
+    stop_keeper(config.state_dir / "keeper")
+    kernel = build_isolation(config, discover(gpus=False, fpgas=False), detect())
+    if isinstance(kernel, KernelIsolation):
+        kernel.isolator.remove_all()
+
+
+def remove_daemon_objects(daemon: DaemonProcess, isolation: dict[str, Any]) -> None:
+    """:func:`remove_agent_objects` for a daemon whose ``[isolation]`` keys were ``isolation``."""
+    from nodeagent.agent.config import apply_overrides, parse_config
+
+    remove_agent_objects(apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state))

@@ -17,13 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nodeagent.agent.config import apply_overrides, parse_config
 from nodeagent.agent.connguard import AcceptErrorHandler, Counters
-from nodeagent.agent.daemon import build_isolation
-from nodeagent.cgroups import detect
-from nodeagent.devices.discovery import discover
-from nodeagent.isolation.backend import KernelIsolation
-from tests.daemon import HOST_OFF, DaemonProcess, wait_until
+from tests.daemon import HOST_OFF, DaemonProcess, remove_daemon_objects, wait_until
 
 PARENT = f"natest{os.getpid()}f.slice"
 PER_PEER = 16
@@ -40,11 +35,7 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     yield d
     d.stop()
     d.stop_keeper()
-    isolation = {"cgroup_parent": PARENT, **HOST_OFF}
-    cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=d.state)
-    backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-    if isinstance(backend, KernelIsolation):
-        backend.isolator.remove_all()
+    remove_daemon_objects(d, {"cgroup_parent": PARENT, **HOST_OFF})
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -153,8 +144,4 @@ def test_a_flood_past_the_descriptor_limit_leaves_the_api_answering(tmp_path: Pa
             sock.close()
         daemon.stop()
         daemon.stop_keeper()
-        isolation = {"cgroup_parent": PARENT, **HOST_OFF}
-        cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state)
-        backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-        if isinstance(backend, KernelIsolation):
-            backend.isolator.remove_all()
+        remove_daemon_objects(daemon, {"cgroup_parent": PARENT, **HOST_OFF})

@@ -22,14 +22,12 @@ import httpx
 import pytest
 
 from nodeagent.agent.config import AgentConfig
-from nodeagent.agent.daemon import build_manager
 from nodeagent.agent.manager import SlotManager
-from nodeagent.devices.discovery import discover
 from nodeagent.errors import InvalidRequest, NotFound
 from nodeagent.runtime.sandbox import probe
 from nodeagent.runtime.sandbox.caps import ROOT_CAPABILITIES, capability_mask
 from nodeagent.schema.request import parse_slot_request
-from tests.escape.harness import config_for, free_port, tear_down
+from tests.escape.harness import config_for, free_port, started_manager
 from tests.workerpy import make_venv, world_python
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -61,13 +59,8 @@ def manager(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Sl
     """A manager whose [sandbox] section is the test's ``sandbox`` marker's, if any."""
     marker = request.node.get_closest_marker("sandbox")
     cfg = config_for(tmp_path, "w", marker.kwargs if marker else None)
-    made = build_manager(cfg, discover(gpus=False, fpgas=False))
-    made.start(supervise=False)
-    try:
+    with started_manager(cfg) as made:
         yield made, cfg
-    finally:
-        made.close()
-        tear_down(cfg)
 
 
 def wait_for_phase(manager: SlotManager, name: str, phase: str, timeout: float) -> dict[str, Any]:

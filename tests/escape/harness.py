@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
-from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_dir, ensure_token
+from nodeagent.agent.daemon import build_manager, ensure_state_dir, ensure_token
 from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.errors import NotFound
-from nodeagent.isolation.backend import KernelIsolation
-from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.runtime.process import ProcessIdentity, open_verified_pidfd, process_start_time
 from nodeagent.schema.request import parse_slot_request
+from tests.daemon import remove_agent_objects
 from tests.escape.attempts import LITTER_PLACES
 from tests.workerpy import worker_visible, world_python
 
@@ -120,10 +119,19 @@ def config_for(
 
 
 def tear_down(cfg: AgentConfig) -> None:
-    stop_keeper(cfg.state_dir / "keeper")
-    kernel = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-    if isinstance(kernel, KernelIsolation):
-        kernel.isolator.remove_all()  # kills what is left in the slots, removes netns and firewall
+    remove_agent_objects(cfg)  # kills what is left in the slots, removes netns and firewall
+
+
+@contextlib.contextmanager
+def started_manager(cfg: AgentConfig) -> Iterator[SlotManager]:
+    """A manager of ``cfg`` started without supervision; closed and torn down afterwards."""
+    made = build_manager(cfg, discover(gpus=False, fpgas=False))
+    made.start(supervise=False)
+    try:
+        yield made
+    finally:
+        made.close()
+        tear_down(cfg)
 
 
 def free_port() -> int:

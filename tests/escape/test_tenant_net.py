@@ -29,19 +29,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
-from nodeagent.agent.daemon import build_isolation, build_manager
+from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.manager import SlotManager
-from nodeagent.cgroups import detect
-from nodeagent.devices.discovery import discover
 from nodeagent.errors import NotFound
 from nodeagent.isolation.api_guard import ApiGuard, table_name
-from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime.sandbox import landlock
 from nodeagent.schema.request import parse_slot_request
-from tests.daemon import HOST_OFF, DaemonProcess, wait_until
-from tests.escape.harness import config_for, free_port, tear_down
+from tests.daemon import HOST_OFF, DaemonProcess, remove_daemon_objects, wait_until
+from tests.escape.harness import config_for, free_port, started_manager
 from tests.workerpy import world_python
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -83,13 +79,8 @@ print(json.dumps(result), flush=True)
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[tuple[SlotManager, AgentConfig]]:
     cfg = config_for(tmp_path, "n")
-    made = build_manager(cfg, discover(gpus=False, fpgas=False))
-    made.start(supervise=False)
-    try:
+    with started_manager(cfg) as made:
         yield made, cfg
-    finally:
-        made.close()
-        tear_down(cfg)
 
 
 def logged(slots: SlotManager, slot_id: str, needle: str) -> list[str] | None:
@@ -218,11 +209,7 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
     for daemon in made:
         daemon.stop()
         daemon.stop_keeper()
-        isolation = {"cgroup_parent": API_PARENT, "firewall_table": API_TABLE, **HOST_OFF}
-        cfg = apply_overrides(parse_config({"isolation": isolation}), state_dir=daemon.state)
-        backend = build_isolation(cfg, discover(gpus=False, fpgas=False), detect())
-        if isinstance(backend, KernelIsolation):
-            backend.isolator.remove_all()
+        remove_daemon_objects(daemon, {"cgroup_parent": API_PARENT, "firewall_table": API_TABLE, **HOST_OFF})
     ApiGuard(LibNftables(), table_name(API_TABLE)).remove()
 
 

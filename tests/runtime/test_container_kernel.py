@@ -29,6 +29,7 @@ from tests.containers import (
     build_image,
     container_daemon,
     device_httpd_request,
+    has_container,
     missing_for_containers,
     remove_image,
 )
@@ -225,13 +226,7 @@ def test_a_container_worker_lives_in_its_slot_and_leaves_nothing(daemon: DaemonP
     # Release: the container is stopped and removed; no conmon, no container process, no cgroup,
     # no CDI spec is left.
     assert client.delete("/v1/slots/ctr").status_code == 204
-    listed = subprocess.run(
-        ["podman", "ps", "-a", "--filter", f"name={container_name(slot_id)}", "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert listed.stdout.strip() == ""
+    assert not has_container(slot_id)
     assert tasks_under(cgroup) == []
     assert not Path("/sys/fs/cgroup/memory", cgroup).exists()
     assert not Path(CDI["dir"], f"{CDI['prefix']}{slot_id}.json").exists()
@@ -357,13 +352,7 @@ def test_a_container_of_a_slot_nobody_knows_is_removed_at_start(daemon: DaemonPr
     try:
         (daemon.state / "workers" / leftover).mkdir(parents=True)
         daemon.start().close()
-        listed = subprocess.run(
-            ["podman", "ps", "-a", "--filter", f"name=^{name}$", "--format", "{{.Names}}"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert listed.stdout.strip() == ""
+        assert not has_container(leftover)
         assert not (daemon.state / "workers" / leftover).exists()
     finally:
         subprocess.run(["podman", "rm", "--force", "--ignore", name], capture_output=True, check=False)

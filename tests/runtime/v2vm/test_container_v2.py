@@ -33,6 +33,7 @@ from tests.containers import (
     build_image,
     container_daemon,
     device_httpd_request,
+    has_container,
     missing_for_containers,
     remove_image,
 )
@@ -206,13 +207,7 @@ def test_a_v2_container_worker_lives_below_its_slot_and_leaves_nothing(
 
     # Release: the container is stopped and removed; no process, no cgroup, no CDI spec is left.
     assert client.delete("/v1/slots/ctr").status_code == 204
-    listed = subprocess.run(
-        ["podman", "ps", "-a", "--filter", f"name={container_name(slot_id)}", "--format", "{{.Names}}"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert listed.stdout.strip() == ""
+    assert not has_container(slot_id)
     assert tasks_in(cgroup) == {}
     assert not slot_dir.exists()
     assert not Path(CDI["dir"], f"{CDI['prefix']}{slot_id}.json").exists()
