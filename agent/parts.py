@@ -89,7 +89,7 @@ class IdentityPart:
     def reserve(self, slot_id: str) -> int | None:
         """The slot's uid, chosen now from the range (not one the host uses, not one resting after
         its slot's release) and kept in the database while the slot exists; None without a sandbox."""
-        if self._policy is None or not self._policy.active:
+        if self._policy is None or not self.active:
             return None
         config = self._policy.config
         return self._store.sandbox_uid(
@@ -105,7 +105,7 @@ class IdentityPart:
         cannot be restored (another slot holds it, or it lies outside [sandbox] uid_range) is
         ended, so that the slot's next worker starts under a uid of its own instead of sharing one
         with another slot. Returns what to add to the recovery's event."""
-        if self._policy is None or not self._policy.active:
+        if self._policy is None or not self.active:
             return ""
         first, last = self._policy.config.uid_bounds()
         running = {uid for pid in pids if (uid := process_uid(pid, self._proc)) is not None}

@@ -509,7 +509,10 @@ class StateStore:
             return self._slots.get(slot_id)
 
     def find_slot(self, name: str) -> Slot | None:
-        return next((slot for slot in self._visible().values() if slot.name == name), None)
+        with self._lock:
+            staged = (slot for slot in self._staged.values() if slot is not None)
+            committed = (slot for key, slot in self._slots.items() if key not in self._staged)
+            return next((slot for slot in (*staged, *committed) if slot.name == name), None)
 
     def list_slots(self) -> list[Slot]:
         return sorted(self._visible().values(), key=lambda slot: (slot.created_at, slot.id))
