@@ -156,7 +156,10 @@ def alive(identity: ProcessIdentity) -> bool:
     if pidfd is None:
         return False
     os.close(pidfd)
-    stat = Path(f"/proc/{identity.pid}/stat").read_text()
+    try:
+        stat = Path(f"/proc/{identity.pid}/stat").read_text()
+    except FileNotFoundError:
+        return False  # reaped between the pidfd and the read
     return stat[stat.rindex(")") + 2] != "Z"
 
 
