@@ -84,7 +84,8 @@ def test_memory_hog_is_oom_killed_and_reported_through_memory_events(group: Cgro
     assert events.oom_kill
     assert events.oom_kill >= 1
     assert group.oom_events().oom_kill >= 1
-    assert group.stats().memory_peak <= 64 * MiB
+    # The kernel may overshoot memory.max by one charge batch (64 pages) before it reclaims or kills.
+    assert group.stats().memory_peak <= 64 * MiB + 64 * os.sysconf("SC_PAGE_SIZE")
     assert bystander.proc.poll() is None
 
 

@@ -321,7 +321,8 @@ def test_an_oom_in_a_slot_is_reported_and_a_bystander_survives(
     assert slot.oom_events is not None
     events = dict(line.split() for line in Path(slot.oom_events).read_text().splitlines())
     assert int(events["oom_kill"]) >= 1
-    assert int(read(host, slot.cgroup, "memory.peak")) <= 128 * MiB
+    # The kernel may overshoot memory.max by one charge batch (64 pages) before it reclaims or kills.
+    assert int(read(host, slot.cgroup, "memory.peak")) <= 128 * MiB + 64 * os.sysconf("SC_PAGE_SIZE")
     assert bystander.proc.poll() is None
     assert neighbour.proc.poll() is None
 

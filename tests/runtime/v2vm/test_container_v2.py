@@ -176,7 +176,9 @@ def test_a_v2_container_worker_lives_below_its_slot_and_leaves_nothing(
     assert hog.returncode == 137
     events = dict(line.split() for line in (slot_dir / "memory.events").read_text().splitlines())
     assert int(events["oom_kill"]) >= 1
-    assert int((slot_dir / "memory.peak").read_text()) <= 256 << 20
+    # The kernel charges in batches and may overshoot memory.max by up to one batch (64 pages)
+    # before it reclaims or kills: seen once, one page over. The hog alone would take gigabytes.
+    assert int((slot_dir / "memory.peak").read_text()) <= (256 << 20) + 64 * os.sysconf("SC_PAGE_SIZE")
     # The kernel chose the hog, not podman or the server: the worker ran on.
     slot = wait_for_phase(client, "ctr", "running", timeout=SLOW)
     assert slot["worker"]["pid"] == worker_pid, (slot["worker"], daemon.log_tail())
