@@ -18,6 +18,9 @@ Paths (JSON; versioned under /v1)::
     DELETE /v1/nri/containers/{id}     the container stopped or was removed: release its slot (204)
     POST   /v1/nri/synchronize         every container the runtime has: keep, release, allocate
                                        (422 unsupported unless ``[kubernetes] nri = true``)
+    POST   /v1/pools                   create a warm standby pool (PoolSpec) -> Pool (201; 200 same again)
+    GET    /v1/pools, /v1/pools/{name} pools with their standbys; PATCH {"size": N}; DELETE (204)
+    POST   /v1/slots {"name", "pool"}  allocate from a pool: a frozen standby placed and thawed
     GET    /v1/slots/{id}/logs?lines=N the last N (1..10000, default 100) lines of worker output
     GET    /v1/slots/{id}/cdi          the slot's CDI spec (kind nodeagent.io/slot) for container runtimes
     GET    /healthz                    the process answers (no token)
@@ -63,7 +66,7 @@ from typing import Annotated, Any, cast
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Discriminator, Tag
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,6 +76,8 @@ from nodeagent.agent.api_models import (
     CdiSpecModel,
     LogsModel,
     NodeModel,
+    PoolListModel,
+    PoolModel,
     SlotListModel,
     SlotModel,
     error_responses,
@@ -80,6 +85,7 @@ from nodeagent.agent.api_models import (
 from nodeagent.agent.metrics import Metrics
 from nodeagent.agent.nri import SLOT_PREFIX as NRI_SLOT_PREFIX
 from nodeagent.agent.nri import NriContainers
+from nodeagent.agent.pools import Pools
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
 from nodeagent.devices.topology import topology_to_dict
@@ -101,6 +107,7 @@ from nodeagent.schema.nri_messages import (
     NriSynchronize,
     NriSyncResult,
 )
+from nodeagent.schema.pool import POOL_NAME, PoolClaim, PoolResize, PoolSpec, is_standby_name
 from nodeagent.schema.request import NAME_PATTERN, Resize, SlotRequest
 from nodeagent.schema.worker import WorkerSpec
 
@@ -161,6 +168,10 @@ def error_response(
 _READ_ERRORS = error_responses(401, 404, 422)
 _WRITE_ERRORS = error_responses(400, 401, 404, 409, 413, 415, 422, 500, 503, 507)
 
+PoolNameParam = Annotated[
+    str,
+    Path(pattern=f"^{POOL_NAME.pattern}$", max_length=48, description="The pool's name.", examples=["mlp"]),
+]
 SlotId = Annotated[
     str,
     Path(
@@ -180,6 +191,7 @@ def create_app(
     metrics_auth: bool = True,
     max_body_bytes: int = MAX_BODY_BYTES,
     nri: bool = False,
+    pools: Pools | None = None,
 ) -> FastAPI:
     """The agent's ASGI app over ``service``; every /v1 path and (by default) /metrics need ``token``."""
     if not token.strip():
@@ -193,8 +205,9 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    _add_routes(app, service, metrics, nri)
+    _add_routes(app, service, metrics, nri, pools)
     _add_nri_routes(app, service, nri)
+    _add_pool_routes(app, pools)
     _add_error_handlers(app)
     public = PUBLIC_PATHS if metrics_auth else PUBLIC_PATHS | {"/metrics"}
     # Added innermost first: requests meet latency timing, then the token check, then the size limit.
@@ -216,9 +229,9 @@ def _require_ready(service: SlotService) -> None:
         )
 
 
-def _add_routes(app: FastAPI, service: SlotService, metrics: Metrics, nri: bool) -> None:
+def _add_routes(app: FastAPI, service: SlotService, metrics: Metrics, nri: bool, pools: Pools | None) -> None:
     _add_node_routes(app, service, metrics)
-    _add_slot_routes(app, service, nri)
+    _add_slot_routes(app, service, nri, pools)
 
 
 def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> None:
@@ -268,10 +281,29 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
         return JSONResponse(service.capacity())
 
 
-def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool) -> None:
+def _which_allocate(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "pool" if "pool" in value else "slot"
+    if isinstance(value, SlotRequest | PoolClaim):
+        return "pool" if isinstance(value, PoolClaim) else "slot"
+    return None  # not an object: refused as a whole (415 for a body that was not sent as JSON)
+
+
+#: POST /v1/slots: a slot request, or a claim on a warm pool (a body with ``pool``).
+AllocateBody = Annotated[
+    Annotated[SlotRequest, Tag("slot")] | Annotated[PoolClaim, Tag("pool")],
+    Discriminator(_which_allocate, custom_error_type="dict_type"),
+    Body(),
+]
+
+
+def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool, pools: Pools | None) -> None:
     @app.get("/v1/slots", tags=["slots"], response_model=SlotListModel, responses=error_responses(401))
-    def list_slots() -> JSONResponse:
-        return JSONResponse({"slots": [s.to_json() for s in service.list_slots()]})
+    def list_slots(
+        standby: Annotated[bool, Query(description="Also warm pools' standby slots.")] = False,
+    ) -> JSONResponse:
+        slots = service.list_slots(standby=True) if standby else service.list_slots()
+        return JSONResponse({"slots": [s.to_json() for s in slots]})
 
     @app.post(
         "/v1/slots",
@@ -284,14 +316,27 @@ def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool) -> None:
             200: {"model": SlotModel, "description": "The same request again: the existing slot"},
         },
     )
-    def allocate(body: SlotRequest) -> JSONResponse:
+    def allocate(body: AllocateBody) -> JSONResponse:
         _require_ready(service)
         if nri and body.name.startswith(NRI_SLOT_PREFIX):
             raise InvalidRequest(
                 f"name: {body.name!r} starts with {NRI_SLOT_PREFIX!r}, which names the slots of containers "
                 "placed through NRI; choose a name without that prefix"
             )
-        result = service.allocate(body)
+        if is_standby_name(body.name):
+            raise InvalidRequest(
+                f"name: {body.name!r} has the form of a warm pool's standby (pool.<pool>.<6 hex digits>); "
+                "choose another name"
+            )
+        if isinstance(body, PoolClaim):
+            if pools is None:
+                raise Unsupported(
+                    f"pool: {body.pool!r}: this agent keeps no warm pools (it cannot isolate slots); "
+                    "allocate without a pool"
+                )
+            result = pools.claim(body)
+        else:
+            result = service.allocate(body)
         if not result.created:
             return _slot_json(result.slot)
         return _slot_json(result.slot, 201, {"Location": f"/v1/slots/{result.slot.id}"})
@@ -325,6 +370,59 @@ def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool) -> None:
         return Response(status_code=204)
 
     _add_worker_routes(app, service)
+
+
+def _add_pool_routes(app: FastAPI, pools: Pools | None) -> None:
+    """Warm standby pools (agent/pools.py, docs/pools.md)."""
+
+    def the_pools() -> Pools:
+        if pools is None:
+            raise Unsupported("this agent keeps no warm pools: it cannot isolate slots (see GET /v1/node)")
+        return pools
+
+    @app.post(
+        "/v1/pools",
+        tags=["pools"],
+        summary="Create a warm standby pool (idempotent by name)",
+        status_code=201,
+        response_model=PoolModel,
+        responses={**_WRITE_ERRORS, 200: {"model": PoolModel, "description": "The same pool again"}},
+    )
+    def create_pool(body: PoolSpec) -> JSONResponse:
+        view, created = the_pools().create(body)
+        if not created:
+            return JSONResponse(view.to_json())
+        return JSONResponse(view.to_json(), status_code=201, headers={"Location": f"/v1/pools/{body.name}"})
+
+    @app.get("/v1/pools", tags=["pools"], response_model=PoolListModel, responses=error_responses(401, 422))
+    def list_pools() -> JSONResponse:
+        return JSONResponse({"pools": [v.to_json() for v in the_pools().views()]})
+
+    @app.get("/v1/pools/{name}", tags=["pools"], response_model=PoolModel, responses=_READ_ERRORS)
+    def get_pool(name: PoolNameParam) -> JSONResponse:
+        return JSONResponse(the_pools().get(name).to_json())
+
+    @app.patch(
+        "/v1/pools/{name}",
+        tags=["pools"],
+        summary="Change a pool's size",
+        response_model=PoolModel,
+        responses=_WRITE_ERRORS,
+    )
+    def resize_pool(name: PoolNameParam, body: PoolResize) -> JSONResponse:
+        return JSONResponse(the_pools().resize(name, body.size).to_json())
+
+    @app.delete(
+        "/v1/pools/{name}",
+        tags=["pools"],
+        summary="Delete a pool and its standbys (slots taken from it stay)",
+        status_code=204,
+        response_class=Response,
+        responses=_WRITE_ERRORS,
+    )
+    def delete_pool(name: PoolNameParam) -> Response:
+        the_pools().delete(name)
+        return Response(status_code=204)
 
 
 def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
@@ -461,6 +559,8 @@ async def _on_agent_error(_request: Request, err: NodeAgentError) -> JSONRespons
 #: and what the service's own errors call it.
 _BODIES: dict[tuple[str, str], tuple[type[BaseModel], str]] = {
     ("POST", "/v1/slots"): (SlotRequest, "request"),
+    ("POST", "/v1/pools"): (PoolSpec, "pool"),
+    ("PATCH", "/v1/pools/{name}"): (PoolResize, "resize"),
     ("PATCH", "/v1/slots/{slot_id}"): (Resize, "resize"),
     ("POST", "/v1/slots/{slot_id}/worker"): (WorkerSpec, "worker spec"),
 }
@@ -475,8 +575,21 @@ async def _on_validation_error(request: Request, err: RequestValidationError) ->
         return error_response(
             415, "unsupported_media_type", "send the body as JSON with 'Content-Type: application/json'"
         )
-    body = _BODIES.get((request.method, _route_template(request.scope)))
+    route = (request.method, _route_template(request.scope))
+    body = _BODIES.get(route)
+    if route == ("POST", "/v1/slots"):
+        # The body is a slot request or a pool claim, told apart by "pool"; name the one it was.
+        if any(tuple(p.get("loc", ()))[1:2] == ("pool",) for p in problems):
+            body = (PoolClaim, "claim")
+        problems = [{**p, "loc": _untagged(tuple(p.get("loc", ())))} for p in problems]
     return error_response(422, "invalid_request", describe_validation_errors(problems, body))
+
+
+def _untagged(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A problem's place without the union's tag: ("body", "slot", "qos") -> ("body", "qos")."""
+    if loc[:1] == ("body",) and loc[1:2] in (("slot",), ("pool",)):
+        return (loc[0], *loc[2:])
+    return loc
 
 
 async def _on_http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -20,7 +20,10 @@ class SlotModel(BaseModel):
     id: str
     name: str
     qos: str
-    state: Literal["pending", "ready", "running", "releasing", "failed"]
+    state: Literal["pending", "ready", "running", "releasing", "failed", "standby"] = Field(
+        description="standby: a warm pool's standby, frozen (listed only with ?standby=true and under "
+        "its pool)."
+    )
     request: dict[str, Any]
     assignment: dict[str, Any] | None = Field(
         description="Which CPUs, NUMA nodes, memory and devices it got."
@@ -62,6 +65,11 @@ class SlotModel(BaseModel):
         "and its own `ports`), kept while the slot exists. `address` is where the agent reaches it: the "
         "slot's own address when it has a network namespace, else 127.0.0.1 (the worker is on the "
         "host's network: the node's addresses reach it).",
+    )
+    pool: str | None = Field(
+        default=None,
+        description="The warm pool this slot is a standby of (named pool.<pool>.<suffix>); null once a "
+        "claim took it, and for every other slot.",
     )
 
 
@@ -133,3 +141,33 @@ class ErrorModel(BaseModel):
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorModel} for status in statuses}
+
+
+class PoolStandbyModel(BaseModel):
+    id: str
+    name: str
+    state: str = Field(
+        description="standby (frozen, ready to be taken), or pending/ready/running while it starts"
+    )
+    numa_nodes: list[int]
+    worker: dict[str, Any] | None
+    created_at: float
+
+
+class PoolModel(BaseModel):
+    name: str
+    size: int
+    priority: int
+    slot: dict[str, Any] = Field(description="The shape of the pool's slots and the worker its standbys run.")
+    created_at: float
+    ready: int = Field(description="Frozen standbys, ready to be taken.")
+    starting: int = Field(description="Standbys starting (their worker not ready yet).")
+    memory_bytes: int = Field(description="Memory the standbys hold.")
+    problem: str | None = Field(description="Why the pool is not filling, when it is paused.")
+    claims: int = Field(description="Slots taken from a standby since the agent started.")
+    cold_claims: int = Field(description="Claims that fell back to a cold start since the agent started.")
+    standbys: list[PoolStandbyModel]
+
+
+class PoolListModel(BaseModel):
+    pools: list[PoolModel]

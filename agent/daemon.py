@@ -595,6 +595,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     from nodeagent.agent import notify  # noqa: PLC0415
     from nodeagent.agent.api import create_app  # noqa: PLC0415
     from nodeagent.agent.metrics import Metrics  # noqa: PLC0415
+    from nodeagent.agent.pools import Pools  # noqa: PLC0415
 
     setup_logging(config.log.level)
     started = time.monotonic()
@@ -609,6 +610,10 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
         # systemd: where cgroups go, the agent moved into its leaf; workers stopped with the last agent.
         layout = cgroup_layout(config, detect())
         manager = build_manager(config, recovery=recovery, layout=layout)
+        # Before start-up: standbys a restart relaunches get their pool's thread counts.
+        pools = Pools(manager, manager.store) if manager.isolation.isolates else None
+        if pools is not None:
+            pools.load()
         report = manager.start(restart_workers=take_stopped_workers(config.state_dir))
     except BaseException:
         for sock in sockets:
@@ -633,7 +638,9 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     try:
         if reporter is not None:
             reporter.start()
-        app = create_app(manager, token=token, metrics=metrics, nri=config.kubernetes.nri)
+        if pools is not None:
+            pools.start()
+        app = create_app(manager, token=token, metrics=metrics, nri=config.kubernetes.nri, pools=pools)
         server = uvicorn.Server(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:
@@ -670,6 +677,8 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
             qos.stop()
         if reporter is not None:
             reporter.stop()
+        if pools is not None:
+            pools.close()
         manager.close()
         if api_guard is not None:
             with contextlib.suppress(NodeAgentError, OSError):

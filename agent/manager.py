@@ -72,10 +72,13 @@ from nodeagent.errors import (
     InvalidRequest,
     NodeAgentError,
     NotFound,
+    PlacementError,
     Unsupported,
+    WorkerError,
 )
 from nodeagent.isolation.backend import IsolationBackend
 from nodeagent.isolation.foreign import ForeignCpu
+from nodeagent.isolation.isolator import Frozen
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
     Assignment,
@@ -91,7 +94,8 @@ from nodeagent.runtime.presets import FindProgram, bind_address, resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.worker_kind import kind_of, slot_kind
-from nodeagent.runtime.workers import WorkerRuntime
+from nodeagent.runtime.workers import Readoption, WorkerRuntime
+from nodeagent.schema.pool import is_standby_name
 from nodeagent.schema.request import (
     SLOT_ID_FORM,
     ResourceChanges,
@@ -189,7 +193,15 @@ class SlotManager:
         self._host = host
         self._ledger = LedgerPart(host)
         self._qos: QosView | None = None
+        self._pool_rank: Callable[[str], int] | None = None
+        #: The CPUs a pool's slots get (agent/pools.py), for its standbys' thread counts.
+        self._pool_shape: Callable[[str], float | None] | None = None
         self.report: ReconcileReport | None = None
+
+    @property
+    def store(self) -> StateStore:
+        """The state database (agent/pools.py keeps the pools' specs in it)."""
+        return self._store
 
     @property
     def ports(self) -> PortsPart:
@@ -287,6 +299,14 @@ class SlotManager:
         for slot in slots:
             counts[slot.state] = counts.get(slot.state, 0) + 1
         body["slots"] = counts
+        standbys = [s for s in slots if s.pool is not None and s.holding]
+        # What warm pools hold (agent/pools.py): memory reserved, no CPU once frozen. It is part
+        # of the allocated figures above, and every allocate may take it back.
+        body["standby"] = {
+            "slots": len(standbys),
+            "frozen": sum(1 for s in standbys if s.state == SlotState.STANDBY),
+            "memory_bytes": sum(s.assignment.memory_bytes for s in standbys if s.assignment is not None),
+        }
         body["device_health"] = [
             {
                 "kind": "gpu",
@@ -301,11 +321,16 @@ class SlotManager:
         body["batch"] = None if qos is None else qos.batch()
         return body
 
-    def list_slots(self) -> list[Slot]:
-        return [self._view(s) for s in self._store.list_slots()]
+    def list_slots(self, *, standby: bool = False) -> list[Slot]:
+        """Every slot; warm pools' standbys only with ``standby`` (they belong to no client)."""
+        return [self._view(s) for s in self._store.list_slots() if standby or s.pool is None]
 
     def get_slot(self, slot_id: str) -> Slot:
         return self._view(self._slot(slot_id))
+
+    def find_slot(self, name: str) -> Slot | None:
+        """The slot of this name, if any (as stored)."""
+        return self._store.find_slot(name)
 
     def logs(self, slot_id: str, lines: int) -> list[str]:
         return [line.render() for line in self.log_entries(slot_id, lines)[1]]
@@ -366,9 +391,7 @@ class SlotManager:
                     held.quota_millis.get("best-effort", 0) / 1000,
                     held.memory_by_qos.get("best-effort", 0),
                 )
-            assignment = plan(
-                self._topology, self._ledger.held, req, self._options, irq_load=self._irq_load()
-            )
+            assignment = self._plan_making_room(req)
             # Committed before any kernel object exists, so a crash of the agent at any later instant
             # leaves a row that names what it may have created; not flushed (see transaction()).
             with self._store.transaction(durable=False):
@@ -394,6 +417,46 @@ class SlotManager:
             except NodeAgentError as err:
                 self._forget_refused(slot, err)
                 raise
+
+    def _plan_making_room(self, req: SlotRequest) -> Assignment:
+        """Place ``req``; when it does not fit but would without warm pools' standbys, drop
+        standbys (lowest pool priority first, then the newest) until it fits: a pool never makes an
+        allocate fail that would have succeeded without it. A standby's own allocate never drops one."""
+        try:
+            return plan(self._topology, self._ledger.held, req, self._options, irq_load=self._irq_load())
+        except PlacementError:
+            standbys = [] if is_standby_name(req.name) else self._standby_victims()
+            if not standbys:
+                raise
+            without = self._ledger.held
+            for victim in standbys:
+                if victim.assignment is not None:
+                    without = without.remove(victim.assignment)
+            # Does it fit with every standby gone? If not, dropping them helps no one.
+            plan(self._topology, without, req, self._options, irq_load=self._irq_load())
+        for victim in standbys:
+            self._drop(victim, f"its memory went to slot {req.name!r}")
+            try:
+                return plan(self._topology, self._ledger.held, req, self._options, irq_load=self._irq_load())
+            except PlacementError:
+                continue
+        raise AssertionError("placement fits without every standby but not once they are gone")
+
+    def _standby_victims(self) -> list[Slot]:
+        """Standby slots in the order they give way: lowest pool priority, then newest first."""
+        rank = self._pool_rank or (lambda _pool: 0)
+        found = [s for s in self._store.list_slots() if s.pool is not None and s.holding]
+        found.sort(key=lambda s: -s.created_at)
+        found.sort(key=lambda s: rank(s.pool or ""))
+        return found
+
+    def _drop(self, slot: Slot, why: str) -> None:
+        """Remove a standby at once: no graceful stop (a standby serves no one), its cgroup killed."""
+        self._store.add_event("pool", f"standby {slot.name!r} dropped: {why}", slot.id)
+        if slot.state != SlotState.RELEASING:
+            with self._store.transaction(durable=False):
+                slot = self._store.update_slot(dataclasses.replace(slot, state=SlotState.RELEASING))
+        self._finish_release(slot)
 
     def _forget_refused(self, slot: Slot, err: NodeAgentError) -> None:
         """An allocate that failed leaves no trace: the client has the error, and a failed row would
@@ -707,6 +770,10 @@ class SlotManager:
 
     def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
         description = slot_description(slot, self._shared_pool())
+        shape = self._pool_shape(slot.pool) if slot.pool is not None and self._pool_shape else None
+        if shape is not None:
+            # A standby starts with the thread counts of the slots its pool hands out.
+            description = dataclasses.replace(description, cpu_quota=shape)
         ports = self._ports.reserve(slot.id, spec)
         resolved = resolve(
             spec,
@@ -721,6 +788,135 @@ class SlotManager:
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
         return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
+
+    # ------------------------------------------------------------------ warm pools (agent/pools.py)
+
+    def attach_pools(
+        self, rank: Callable[[str], int] | None, shape: Callable[[str], float | None] | None
+    ) -> None:
+        """Let agent/pools.py say how standbys give way to allocations (lower ``rank`` first: pool
+        priority) and the CPUs each pool's slots get (its standbys' thread counts)."""
+        self._pool_rank = rank
+        self._pool_shape = shape
+
+    def standby_slots(self, pool: str | None = None) -> list[Slot]:
+        """Standby slots (of ``pool``, or of any), starting or frozen, with their worker's status."""
+        return [
+            self._view(s) for s in self._store.list_slots() if s.pool is not None and pool in (None, s.pool)
+        ]
+
+    def freeze_standby(self, slot_id: str) -> Slot:
+        """A standby whose worker is ready: stop supervising it (a frozen worker answers no probe),
+        record it ``standby`` (before the freeze, so a crash in between leaves a slot start-up
+        freezes again rather than a frozen worker its probes would kill), then freeze it."""
+        with self._lock:
+            slot = self._slot(slot_id)
+            if slot.pool is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
+                raise Conflict(f"slot {slot.name!r} is not a starting standby")
+            self._loop.remove(slot.id)
+            self._worker_status.pop(slot.id, None)
+            with self._store.transaction():
+                frozen = self._store.update_slot(dataclasses.replace(slot, state=SlotState.STANDBY))
+                self._store.add_event("pool", f"standby {slot.name!r} ready and frozen", slot.id)
+            self._isolation.freeze(slot.id, slot.qos)
+        self._notify()
+        return frozen
+
+    def standby_kernel_state(self, slot: Slot) -> Frozen:
+        """How a standby's cgroup stands (gone, empty, thawed or frozen)."""
+        return self._isolation.frozen(slot.id, slot.qos)
+
+    def refreeze_standby(self, slot_id: str) -> None:
+        """Freeze a recorded standby again (an agent killed between its record and its freeze)."""
+        with self._lock:
+            slot = self._slot(slot_id)
+            if slot.state == SlotState.STANDBY:
+                self._isolation.freeze(slot.id, slot.qos)
+
+    def preview(self, request: SlotRequest) -> Assignment:
+        """Where ``request`` would be placed now (nothing is held)."""
+        with self._lock:
+            return plan(self._topology, self._ledger.held, request, self._options, irq_load=self._irq_load())
+
+    def drop_standby(self, slot_id: str, why: str) -> None:
+        """Remove a standby (starting or frozen) at once; one already gone is fine."""
+        with self._lock:
+            slot = self._store.get_slot(slot_id)
+            if slot is None:
+                return  # dropped meanwhile (a claim failed on it, its pool was deleted)
+            if slot.pool is None:
+                raise Conflict(f"slot {slot.name!r} is not a standby")
+            self._drop(slot, why)
+        self._notify()
+
+    def take_standby(self, slot_id: str, request: SlotRequest, *, ready_within: float = 2.0) -> Slot:
+        """Make the frozen standby ``slot_id`` the slot ``request`` asks for: placed now (its
+        exclusive cores, NUMA node and limits; host partitioning as for any slot), renamed,
+        moved into its class's cgroup and thawed, its worker supervised again and its readiness
+        probed at once (up to ``ready_within`` seconds). When the worker is gone or not ready, the
+        slot is released and WorkerError says why (the caller tries the next standby)."""
+        with self._lock:
+            standby = self._slot(slot_id)
+            if standby.pool is None or standby.state != SlotState.STANDBY or standby.assignment is None:
+                raise Conflict(f"slot {standby.name!r} is not a frozen standby")
+            worker = request.worker
+            if worker is None:
+                raise InvalidRequest(
+                    f"a slot taken from pool {standby.pool!r} runs the pool's worker; the request has none"
+                )
+            if self._store.find_slot(request.name) is not None:
+                raise Conflict(
+                    f"slot name {request.name!r} is taken; release that slot first or choose another name"
+                )
+            without = self._ledger.held.remove(standby.assignment)
+            assignment = plan(self._topology, without, request, self._options, irq_load=self._irq_load())
+            # Committed before the kernel changes: a crash from here on leaves a slot that start-up
+            # finishes or fails, never CPUs held by a cgroup the database does not account for.
+            with self._store.transaction():
+                self._store.rename_slot(standby.id, request.name)
+                slot = self._store.update_slot(
+                    dataclasses.replace(
+                        standby,
+                        name=request.name,
+                        state=SlotState.READY,
+                        request=request,
+                        assignment=assignment,
+                    )
+                )
+                self._store.put_worker(Worker(slot_id=slot.id, spec=worker, desired="running"))
+                self._store.add_event(
+                    "allocate",
+                    f"slot {request.name!r} taken from pool {standby.pool!r}: {_describe(assignment)}",
+                    slot.id,
+                )
+            self._ledger.set(without.add(assignment))
+            try:
+                applied = self._isolation.change_class(isolation_spec(slot, self._topology), standby.qos)
+                self._isolation.thaw(slot.id, slot.qos)
+                slot = self._store.update_slot(dataclasses.replace(slot, applied=applied))
+                supervisor = self._make_supervisor(slot, worker)
+                if self._runtime.readopt(slot.id, supervisor) is not Readoption.ADOPTED:
+                    raise WorkerError(
+                        f"standby {standby.name!r} of pool {standby.pool!r}: its worker is gone"
+                    )
+                status = supervisor.tick()  # the readiness probe, here and now (no executor yet)
+                deadline = time.monotonic() + ready_within
+                while status.phase is Phase.STARTING and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    status = supervisor.tick()
+                if status.phase is not Phase.RUNNING:
+                    supervisor.stop()
+                    raise WorkerError(
+                        f"standby {standby.name!r} of pool {standby.pool!r} was not ready after its thaw: "
+                        f"{status.message}"
+                    )
+            except NodeAgentError as err:
+                self._drop(slot, f"taking it failed: {err}")
+                raise
+            self._loop.add(slot.id, supervisor)
+            self._record_status(slot.id, status)
+        self._notify()
+        return self._view(self._slot(slot.id))
 
     # ------------------------------------------------------------------ supervision
 

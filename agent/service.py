@@ -81,7 +81,9 @@ class SlotService(Protocol):
         """placement.capacity(...).to_dict() plus device health and slot counts."""
         ...
 
-    def list_slots(self) -> list[Slot]: ...
+    def list_slots(self, *, standby: bool = False) -> list[Slot]:
+        """Every slot; warm pools' standbys too with ``standby``."""
+        ...
 
     def get_slot(self, slot_id: str) -> Slot:
         """By id or by name; NotFound otherwise."""

@@ -23,6 +23,7 @@ from nodeagent.isolation.network import SlotNetwork
 from nodeagent.placement import Assignment
 from nodeagent.runtime.ports import Endpoint
 from nodeagent.runtime.supervisor import WorkerStatus
+from nodeagent.schema.pool import standby_pool
 from nodeagent.schema.request import QoS, SlotRequest, request_to_dict
 from nodeagent.schema.worker import WorkerSpec
 
@@ -33,10 +34,14 @@ class SlotState(enum.StrEnum):
     RUNNING = "running"  #: its worker is running and ready
     RELEASING = "releasing"  #: being torn down
     FAILED = "failed"  #: see ``reason``
+    #: A warm pool's standby (schema/pool.py): its worker ready and frozen, its memory held, no CPU.
+    STANDBY = "standby"
 
 
 #: States in which a slot holds its resources (and may hold kernel objects).
-HOLDING = frozenset({SlotState.PENDING, SlotState.READY, SlotState.RUNNING, SlotState.RELEASING})
+HOLDING = frozenset(
+    {SlotState.PENDING, SlotState.READY, SlotState.RUNNING, SlotState.RELEASING, SlotState.STANDBY}
+)
 
 #: What the operator wants of a slot's worker.
 Desired = Literal["running", "stopped"]
@@ -70,6 +75,13 @@ class Slot:
     #: Where its worker serves: one per named port the slot holds; set on slots read through the
     #: service (the state store keeps the ports in a table of their own).
     endpoints: tuple[Endpoint, ...] = ()
+
+    @property
+    def pool(self) -> str | None:
+        """The warm pool this slot is a standby of (agent/pools.py), by its name: set while it
+        starts and while it waits frozen, None once a claim took it (it has the claim's name then)
+        and for every other slot."""
+        return standby_pool(self.name)
 
     @property
     def qos(self) -> QoS:
@@ -110,6 +122,7 @@ class Slot:
             "qos_actions": [dict(action) for action in self.qos_actions],
             "qos_evicted": self.qos_evicted,
             "endpoints": [e.to_json() for e in self.endpoints],
+            "pool": self.pool,
         }
 
 

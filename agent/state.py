@@ -121,6 +121,14 @@ MIGRATIONS: tuple[str, ...] = (
         released_at  REAL NOT NULL
     );
     """,
+    # Warm standby pools (agent/pools.py): each pool's spec (a standby slot's name says its pool).
+    """
+    CREATE TABLE pools (
+        name        TEXT PRIMARY KEY,
+        spec        TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    """,
 )
 
 #: Bytes the WAL is truncated to after a checkpoint.
@@ -460,6 +468,41 @@ class StateStore:
             self._staged[slot.id] = changed
         self._keep_manifest(changed)
         return changed
+
+    def rename_slot(self, slot_id: str, name: str) -> Slot:
+        """Give a slot another name (a standby taken by a claim gets the claim's); Conflict when a
+        slot has that name already."""
+        if self.find_slot(name) is not None:
+            raise Conflict(f"slot name {name!r} is taken; release that slot first or choose another name")
+        with self.transaction():
+            self._write("UPDATE slots SET name = ? WHERE id = ?", (name, slot_id))
+            before = self.get_slot(slot_id)
+            if before is None:
+                raise StateError(f"slot {slot_id!r} is not in the state database")
+            renamed = dataclasses.replace(before, name=name)
+            self._staged[slot_id] = renamed
+        self._keep_manifest(renamed)
+        return renamed
+
+    # --- pools --------------------------------------------------------------------------------
+
+    def put_pool(self, name: str, spec: dict[str, Any]) -> None:
+        """Add or replace a pool's spec (its JSON form, schema/pool.py)."""
+        with self.transaction():
+            self._write(
+                "INSERT INTO pools (name, spec, created_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET spec = excluded.spec",
+                (name, _dump(spec), self._clock()),
+            )
+
+    def delete_pool(self, name: str) -> None:
+        with self.transaction():
+            self._write("DELETE FROM pools WHERE name = ?", (name,))
+
+    def list_pools(self) -> list[tuple[str, dict[str, Any], float]]:
+        """Every pool: its name, its spec as stored and when it was created, oldest first."""
+        rows = self._read("SELECT name, spec, created_at FROM pools ORDER BY created_at, name")
+        return [(name, _load(spec), created) for name, spec, created in rows]
 
     def _keep_manifest(self, slot: Slot, worker: Worker | None = None) -> None:
         """Rewrite the slot's manifest: its record and its worker's spec (agent.recovery)."""

@@ -104,6 +104,10 @@ class CgroupManager(ABC):
     def thaw(self) -> None: ...
 
     @abstractmethod
+    def is_frozen(self) -> bool:
+        """Whether the group is frozen (asked to freeze and done, or on its way)."""
+
+    @abstractmethod
     def kill(self, timeout: float = 5.0) -> None:
         """SIGKILL everything in the group and its children; returns once it is empty."""
 

@@ -138,6 +138,9 @@ class V1Manager(CgroupManager):
     def thaw(self) -> None:
         self._write("freezer", "freezer.state", "THAWED")
 
+    def is_frozen(self) -> bool:
+        return self._read("freezer", "freezer.state").strip() != "THAWED"
+
     def kill(self, timeout: float = 5.0) -> None:
         self._kill_by_signal(timeout, can_freeze=self.has("freezer") and self.exists())
 

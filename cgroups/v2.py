@@ -139,6 +139,9 @@ class V2Manager(CgroupManager):
     def thaw(self) -> None:
         self._write("cgroup.freeze", 0)
 
+    def is_frozen(self) -> bool:
+        return fs.read_file(self._mount, self._rel("cgroup.freeze")).strip() == "1"
+
     def kill(self, timeout: float = 5.0) -> None:
         if not self.exists():
             return

@@ -43,6 +43,10 @@ COMMANDS: dict[str, LazyCommand] = {
         "nodeagent.cli.cmd_plan",
         "Show the assignment placement would make for a slot request, without touching the host.",
     ),
+    "pools": LazyCommand(
+        "nodeagent.cli.cmd_pools",
+        "Warm standby pools: workers kept started, ready and frozen for allocations in milliseconds.",
+    ),
     "serve": LazyCommand(
         "nodeagent.cli.cmd_serve",
         "Run the agent: reconcile, supervise workers, serve the REST API, report to the controller.",

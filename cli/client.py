@@ -212,6 +212,24 @@ class AgentClient:
         keys = ("time", "stream", "text")
         return [{key: str(e.get(key, "")) for key in keys} for e in body.get("entries", [])]
 
+    def list_pools(self) -> list[dict[str, Any]]:
+        pools: list[dict[str, Any]] = self._json("GET", "/v1/pools")["pools"]
+        return pools
+
+    def get_pool(self, name: str) -> dict[str, Any]:
+        return self._json("GET", _pool_path(name))
+
+    def create_pool(self, spec: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The pool, and True when it was created (False: it existed with the same spec)."""
+        response = self._send("POST", "/v1/pools", body=dict(spec))
+        return _decode(response), response.status == 201
+
+    def resize_pool(self, name: str, size: int) -> dict[str, Any]:
+        return self._json("PATCH", _pool_path(name), body={"size": size})
+
+    def delete_pool(self, name: str) -> None:
+        self._send("DELETE", _pool_path(name))
+
     # --- the I/O boundary
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -266,6 +284,17 @@ class AgentClient:
             f"cannot reach the agent at {self.base_url}: {reason}; "
             f"is `nodeagent serve` running? (set --api or {API_ENV} if it listens elsewhere)"
         )
+
+
+def _pool_path(name: str) -> str:
+    from nodeagent.schema.pool import POOL_NAME  # noqa: PLC0415
+
+    if POOL_NAME.fullmatch(name) is None:
+        raise InvalidRequest(
+            f"{name!r} is not a pool name; they are 1-48 characters of a-z, 0-9, '_' or '-' starting with "
+            "a letter or digit (`nodeagent pools list` shows them)"
+        )
+    return f"/v1/pools/{name}"
 
 
 def _slot_path(slot_id: str, *rest: str) -> str:

@@ -117,6 +117,14 @@ def show_command(ctx: click.Context, slot_id: str, as_json: bool) -> None:
 @click.option("--numa", type=click.Choice(["single", "prefer", "none"]))
 @click.option("--worker-cmd", metavar="COMMAND", help="The worker's command line (split like a shell).")
 @click.option(
+    "--pool", help="Take the slot from this warm pool (its shape and worker; see `nodeagent pools`)."
+)
+@click.option(
+    "--fallback",
+    type=click.Choice(["none", "cold"]),
+    help="With --pool: cold starts the pool's worker in a new slot when no standby is ready.",
+)
+@click.option(
     "--wait",
     is_flag=True,
     help="With a worker: wait until it is running (ready); exit 1 if it fails or times out.",
@@ -410,8 +418,21 @@ def _request_from(request_text: str | None, flags: Mapping[str, Any]) -> dict[st
                 f"allocate: --request and --{next(iter(given)).replace('_', '-')} both given; use one way"
             )
         return _json_object(_read_argument(request_text, "request"), "--request")
+    if "pool" in given:
+        if "name" not in given:
+            raise InvalidRequest("allocate: --pool needs --name (the slot's name)")
+        claim: dict[str, Any] = {"name": given["name"], "pool": given["pool"]}
+        if "fallback" in given:
+            claim["fallback"] = given["fallback"]
+        if "qos" in given:
+            claim["qos"] = given["qos"]
+        return claim
+    if "fallback" in given:
+        raise InvalidRequest("allocate: --fallback goes with --pool")
     if "name" not in given or "qos" not in given:
-        raise InvalidRequest("allocate: give --request JSON, or at least --name and --qos")
+        raise InvalidRequest(
+            "allocate: give --request JSON, or at least --name and --qos (or --name and --pool)"
+        )
     request: dict[str, Any] = {"name": given["name"], "qos": given["qos"]}
     resources = _resource_flags(cpus=given.get("cpus"), memory=given.get("memory"))
     if "gpus" in given:

@@ -17,8 +17,9 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from nodeagent.cgroups import open_manager
-from nodeagent.errors import NodeAgentError
-from nodeagent.isolation.isolator import AppliedSlot, OwnedSlot, SlotIsolator
+from nodeagent.errors import NodeAgentError, Unsupported
+from nodeagent.isolation.isolator import AppliedSlot, Frozen, OwnedSlot, SlotIsolator
+from nodeagent.isolation.qos import QosClassName
 from nodeagent.isolation.slot_spec import SlotIsolationSpec
 
 
@@ -58,6 +59,20 @@ class IsolationBackend(Protocol):
 
     def owned_slots(self) -> list[OwnedSlot]:
         """Every slot cgroup under the agent's parent, with the processes in it."""
+        ...
+
+    def freeze(self, slot_id: str, qos: QosClassName) -> None:
+        """Freeze the slot's processes (returns once the kernel says they are)."""
+        ...
+
+    def thaw(self, slot_id: str, qos: QosClassName) -> None: ...
+
+    def frozen(self, slot_id: str, qos: QosClassName) -> Frozen:
+        """How a standby's cgroup stands: gone, empty (its worker died), thawed or frozen."""
+        ...
+
+    def change_class(self, spec: SlotIsolationSpec, from_qos: QosClassName) -> AppliedSlot | None:
+        """Build the slot as ``spec`` says in its (other) QoS class and move its processes there."""
         ...
 
 
@@ -108,6 +123,18 @@ class KernelIsolation:
     def owned_slots(self) -> list[OwnedSlot]:
         return self.isolator.owned_slots()
 
+    def freeze(self, slot_id: str, qos: QosClassName) -> None:
+        self.isolator.freeze(slot_id, qos)
+
+    def thaw(self, slot_id: str, qos: QosClassName) -> None:
+        self.isolator.thaw(slot_id, qos)
+
+    def frozen(self, slot_id: str, qos: QosClassName) -> Frozen:
+        return self.isolator.frozen(slot_id, qos)
+
+    def change_class(self, spec: SlotIsolationSpec, from_qos: QosClassName) -> AppliedSlot:
+        return self.isolator.change_class(spec, from_qos)
+
     def remove_orphans(self, keep: Collection[str]) -> list[str]:
         removed = self.isolator.remove_orphans(keep)
         return (
@@ -141,6 +168,18 @@ class NoIsolation:
         return None
 
     def apply(self, spec: SlotIsolationSpec) -> None:
+        return None
+
+    def freeze(self, slot_id: str, qos: QosClassName) -> None:
+        raise Unsupported("this agent cannot freeze slots (no writable cgroups); warm pools need it")
+
+    def thaw(self, slot_id: str, qos: QosClassName) -> None:
+        return None
+
+    def frozen(self, slot_id: str, qos: QosClassName) -> Frozen:
+        return "gone"
+
+    def change_class(self, spec: SlotIsolationSpec, from_qos: QosClassName) -> None:
         return None
 
     def exists(self, applied: AppliedSlot) -> bool:

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from nodeagent.cgroups import (
     UNLIMITED,
@@ -83,6 +83,10 @@ from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 from nodeagent.kernelfs import Sysfs
 
 Undo = Callable[[], object]
+
+
+#: A standby's cgroup as :meth:`SlotIsolator.frozen` finds it.
+Frozen = Literal["gone", "empty", "thawed", "frozen"]
 
 
 @dataclass(frozen=True)
@@ -355,6 +359,72 @@ class SlotIsolator:
         with self._lock:
             return self._apply(spec, must_exist=True)
 
+    def freeze(self, slot_id: str, qos: QosClassName) -> None:
+        """Freeze every process of the slot (a warm pool's standby: no CPU, memory kept)."""
+        validate_slot_id(slot_id)
+        open_manager(self.host, self.hierarchy.slot_path(slot_id, qos)).freeze(self.config.kill_timeout_s)
+
+    def thaw(self, slot_id: str, qos: QosClassName) -> None:
+        validate_slot_id(slot_id)
+        open_manager(self.host, self.hierarchy.slot_path(slot_id, qos)).thaw()
+
+    def frozen(self, slot_id: str, qos: QosClassName) -> Frozen:
+        """How a warm pool's standby stands in the kernel: its cgroup gone, without a process
+        (its worker died), thawed, or frozen."""
+        validate_slot_id(slot_id)
+        manager = open_manager(self.host, self.hierarchy.slot_path(slot_id, qos))
+        if not manager.exists():
+            return "gone"
+        if not manager.subtree_pids():
+            return "empty"
+        return "frozen" if manager.is_frozen() else "thawed"
+
+    def change_class(self, spec: SlotIsolationSpec, from_qos: QosClassName) -> AppliedSlot:
+        """Give a slot that exists as ``from_qos`` the kernel state of ``spec`` in another QoS class
+        (a warm pool's standby, burstable while it waits, taken as a guaranteed slot): the new
+        cgroup is built as :meth:`apply` builds it, every process moves over (a frozen one thaws as
+        it enters its new, thawed cgroup), and the old cgroup goes. The netns and resctrl group
+        are the slot id's and stay. On failure the processes are moved back and the new cgroup
+        removed, so the slot is as it was."""
+        validate_slot_id(spec.slot_id)
+        old = self.hierarchy.slot_path(spec.slot_id, from_qos)
+        new = self.hierarchy.slot_path(spec.slot_id, spec.qos)
+        if old == new:
+            return self.apply(spec)
+        with self._lock:
+            source = open_manager(self.host, old)
+            if not source.exists():
+                raise NotFound(f"slot {spec.slot_id} has no {from_qos} cgroup {old} to move from")
+            if source.children():
+                raise Conflict(
+                    f"slot {spec.slot_id} has cgroups below {old} (a container runtime's); cannot move it"
+                )
+            applied = self._apply(spec, must_exist=False, moving_from=old)
+            target = open_manager(self.host, new)
+            try:
+                for _ in range(100):  # forks racing the move land in the old group: go again
+                    pids = source.procs()
+                    if not pids:
+                        break
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError, CgroupError):
+                            target.add_pid(pid)
+                else:
+                    raise Conflict(
+                        f"slot {spec.slot_id}: processes kept appearing in {old} while moving them"
+                    )
+                target.thaw()
+            except BaseException:
+                for pid in target.procs():
+                    with contextlib.suppress(ProcessLookupError, CgroupError):
+                        source.add_pid(pid)
+                remove_subtree(self.host, new, self.config.kill_timeout_s)
+                self.pool.sync()
+                raise
+            source.delete(self.config.kill_timeout_s)
+            self.pool.sync()
+            return applied
+
     def release(self, slot_id: str) -> None:
         """Kill everything in the slot and remove its cgroup, netns and resctrl group; grow the pool.
 
@@ -510,7 +580,9 @@ class SlotIsolator:
                     raise
                 self._held_by_qos.pop(slot_id, None)  # released meanwhile: nothing to hold
 
-    def _apply(self, spec: SlotIsolationSpec, *, must_exist: bool) -> AppliedSlot:
+    def _apply(
+        self, spec: SlotIsolationSpec, *, must_exist: bool, moving_from: str | None = None
+    ) -> AppliedSlot:
         rules = slot_device_rules(spec, self.config)
         if spec.l3 is not None:
             self.resctrl.require(l3=True)
@@ -520,7 +592,7 @@ class SlotIsolator:
             self.ensure_hierarchy()
         relpath = self.hierarchy.slot_path(spec.slot_id, spec.qos)
         manager = open_manager(self.host, relpath)
-        existed = self._check_existing(spec, relpath, manager, must_exist=must_exist)
+        existed = self._check_existing(spec, relpath, manager, must_exist=must_exist, moving_from=moving_from)
         params = self._parameters(spec)
         undo: list[Undo] = []
         try:
@@ -554,9 +626,15 @@ class SlotIsolator:
         )
 
     def _check_existing(
-        self, spec: SlotIsolationSpec, relpath: str, manager: CgroupManager, *, must_exist: bool
+        self,
+        spec: SlotIsolationSpec,
+        relpath: str,
+        manager: CgroupManager,
+        *,
+        must_exist: bool,
+        moving_from: str | None = None,
     ) -> bool:
-        others = [p for p in self._candidate_paths(spec.slot_id) if p != relpath]
+        others = [p for p in self._candidate_paths(spec.slot_id) if p not in (relpath, moving_from)]
         clash = [p for p in others if open_manager(self.host, p).exists()]
         if clash:
             raise Conflict(

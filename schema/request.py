@@ -274,8 +274,10 @@ class SlotRequest(StrictModel):
     """A slot request. ``name`` is unique on the node and is the idempotency key."""
 
     name: SlotName
-    qos: QoS = Field(description="guaranteed: exclusive whole cores; burstable: a quota on the shared pool; "
-                     "best-effort: what is left over, yielding to everything else.")
+    qos: QoS = Field(
+        description="guaranteed: exclusive whole cores; burstable: a quota on the shared pool; "
+        "best-effort: what is left over, yielding to everything else."
+    )
     resources: Resources = Field(default_factory=Resources)
     priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = Field(
         default=DEFAULT_PRIORITY,

@@ -232,9 +232,10 @@ class HttpCheck(StrictModel):
     path: Annotated[str, AfterValidator(_url_path), Field(pattern="^/")] = Field(
         default=OIP_READY_PATH, description="Answered with 2xx or 3xx when healthy (or as `status` says)."
     )
-    status: Annotated[
-        HttpStatus | Annotated[tuple[HttpStatus, HttpStatus], AsTuple], BeforeValidator(_status)
-    ] | None = Field(
+    status: (
+        Annotated[HttpStatus | Annotated[tuple[HttpStatus, HttpStatus], AsTuple], BeforeValidator(_status)]
+        | None
+    ) = Field(
         default=None,
         description="The status a passing answer has: one (200) or a range ([200, 299]); "
         "default: 200 to 399.",
@@ -318,7 +319,7 @@ class Probe(StrictModel):
 
 
 def _signal_name(value: Any) -> Any:
-    """"TERM", "SIGTERM" or 15 -> "SIGTERM"; a signal that cannot stop a process is refused."""
+    """ "TERM", "SIGTERM" or 15 -> "SIGTERM"; a signal that cannot stop a process is refused."""
     if isinstance(value, bool):
         return value
     try:
