@@ -97,6 +97,7 @@ from nodeagent.runtime.worker_kind import kind_of, slot_kind
 from nodeagent.runtime.workers import Readoption, WorkerRuntime
 from nodeagent.schema.pool import is_standby_name
 from nodeagent.schema.request import (
+    QOS_CLASSES,
     SLOT_ID_FORM,
     ResourceChanges,
     SlotRequest,
@@ -488,8 +489,16 @@ class SlotManager:
     def _finish_pending(self, slot: Slot, *, worker: WorkerSpec | None = None) -> Slot:
         """Apply isolation for a pending slot (and record the worker it wants, in the same commit);
         on failure roll back, mark failed and re-raise."""
+        spec = isolation_spec(slot, self._topology)
+        before = slot.applied
         try:
-            applied = self._isolation.apply(isolation_spec(slot, self._topology))
+            if before is not None and before.qos != spec.qos and before.qos in QOS_CLASSES:
+                # A claim on a warm pool that the agent died in: the standby's processes still sit
+                # in its burstable cgroup (or were moved but not recorded).
+                applied = self._isolation.change_class(spec, before.qos)
+                self._isolation.thaw(slot.id, spec.qos)
+            else:
+                applied = self._isolation.apply(spec)
         except NodeAgentError as err:
             self._fail(slot, f"isolation failed: {err}")
             raise
@@ -855,6 +864,7 @@ class SlotManager:
         moved into its class's cgroup and thawed, its worker supervised again and its readiness
         probed at once (up to ``ready_within`` seconds). When the worker is gone or not ready, the
         slot is released and WorkerError says why (the caller tries the next standby)."""
+        marks = [time.perf_counter()]
         with self._lock:
             standby = self._slot(slot_id)
             if standby.pool is None or standby.state != SlotState.STANDBY or standby.assignment is None:
@@ -890,15 +900,18 @@ class SlotManager:
                     slot.id,
                 )
             self._ledger.set(without.add(assignment))
+            marks.append(time.perf_counter())
             try:
                 applied = self._isolation.change_class(isolation_spec(slot, self._topology), standby.qos)
                 self._isolation.thaw(slot.id, slot.qos)
+                marks.append(time.perf_counter())
                 slot = self._store.update_slot(dataclasses.replace(slot, applied=applied))
                 supervisor = self._make_supervisor(slot, worker)
                 if self._runtime.readopt(slot.id, supervisor) is not Readoption.ADOPTED:
                     raise WorkerError(
                         f"standby {standby.name!r} of pool {standby.pool!r}: its worker is gone"
                     )
+                marks.append(time.perf_counter())
                 status = supervisor.tick()  # the readiness probe, here and now (no executor yet)
                 deadline = time.monotonic() + ready_within
                 while status.phase is Phase.STARTING and time.monotonic() < deadline:
@@ -913,9 +926,22 @@ class SlotManager:
             except NodeAgentError as err:
                 self._drop(slot, f"taking it failed: {err}")
                 raise
+            marks.append(time.perf_counter())
             self._loop.add(slot.id, supervisor)
             self._record_status(slot.id, status)
+            marks.append(time.perf_counter())
         self._notify()
+        steps = ("placed", "kernel", "adopted", "ready", "recorded")
+        log.info(
+            "standby taken",
+            extra={
+                "slot": slot.id,
+                "pool": standby.pool,
+                "ms": {
+                    step: round((b - a) * 1000, 1) for step, a, b in zip(steps, marks[:-1], marks[1:], strict=True)
+                },
+            },
+        )
         return self._view(self._slot(slot.id))
 
     # ------------------------------------------------------------------ supervision

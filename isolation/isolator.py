@@ -394,7 +394,9 @@ class SlotIsolator:
         with self._lock:
             source = open_manager(self.host, old)
             if not source.exists():
-                raise NotFound(f"slot {spec.slot_id} has no {from_qos} cgroup {old} to move from")
+                # Moved already (an agent killed after the move, before it stored the result):
+                # what is left is to make the new cgroup right.
+                return self._apply(spec, must_exist=False)
             if source.children():
                 raise Conflict(
                     f"slot {spec.slot_id} has cgroups below {old} (a container runtime's); cannot move it"
