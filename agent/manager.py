@@ -868,7 +868,8 @@ class SlotManager:
         with self._lock:
             standby = self._slot(slot_id)
             if standby.pool is None or standby.state != SlotState.STANDBY or standby.assignment is None:
-                raise Conflict(f"slot {standby.name!r} is not a frozen standby")
+                # Taken by a claim that came first (or dropped): the caller tries the next one.
+                raise NotFound(f"slot {standby.name!r} is not a frozen standby (any more)")
             worker = request.worker
             if worker is None:
                 raise InvalidRequest(
@@ -938,7 +939,8 @@ class SlotManager:
                 "slot": slot.id,
                 "pool": standby.pool,
                 "ms": {
-                    step: round((b - a) * 1000, 1) for step, a, b in zip(steps, marks[:-1], marks[1:], strict=True)
+                    step: round((end - start) * 1000, 1)
+                    for step, start, end in zip(steps, marks[:-1], marks[1:], strict=True)
                 },
             },
         )

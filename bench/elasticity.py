@@ -12,7 +12,8 @@ as by default. For each server, ``--runs`` rounds, alternating:
          the same inference loop
 
 Then, with the first server: a burst of --burst claims at once from a pool of --burst standbys
-(each in its own thread, each followed by its first inference): the time until the last answered;
+(each in its own thread, each followed by its first inference): the time until the last answered
+(burstable slots of 0.25 CPU: eight exclusive CPUs do not fit a small host);
 and a guaranteed neighbour (the example OIP worker on an exclusive CPU) under a steady load of
 --rate requests/s for --seconds, first with the pool full and idle, then while the pool refills
 --burst standbys from empty: its p50/p99 side by side (the load generator runs on the host, as a
@@ -89,17 +90,26 @@ def first_answer(url: str, body: dict[str, Any], began: float, timeout: float = 
         time.sleep(0.005)
 
 
-def request_of(server: Server, name: str, memory: str) -> dict[str, Any]:
+#: The burst's shape: eight slots of one exclusive CPU each do not fit a small host, eight
+#: burstable slots do.
+BURST_SHAPE = ("burstable", 0.25)
+
+
+def request_of(
+    server: Server, name: str, memory: str, shape: tuple[str, float] = ("guaranteed", 1)
+) -> dict[str, Any]:
     return {
         "name": name,
-        "qos": "guaranteed",
-        "resources": {"cpus": 1, "memory": memory},
+        "qos": shape[0],
+        "resources": {"cpus": shape[1], "memory": memory},
         "worker": {**server.worker, "startup_timeout_seconds": STARTUP, "stop_grace_seconds": 5},
     }
 
 
-def make_pool(client: httpx.Client, server: Server, size: int, memory: str) -> None:
-    slot = request_of(server, "unused", memory)
+def make_pool(
+    client: httpx.Client, server: Server, size: int, memory: str, shape: tuple[str, float] = ("guaranteed", 1)
+) -> None:
+    slot = request_of(server, "unused", memory, shape)
     del slot["name"]
     created = client.post("/v1/pools", json={"name": server.name, "size": size, "slot": slot})
     if created.status_code not in (200, 201):
@@ -145,8 +155,7 @@ def ms(values: list[float]) -> str:
 
 def burst(client: httpx.Client, server: Server, count: int, memory: str) -> tuple[float, list[float]]:
     """``count`` claims at once from a full pool of ``count``: until the last answered, and each."""
-    make_pool(client, server, count, memory)
-    client.patch(f"/v1/pools/{server.name}", json={"size": count})
+    make_pool(client, server, count, memory, BURST_SHAPE)
     wait_pool(client, server.name, count)
     times: list[float] = [0.0] * count
     failed: list[BaseException] = []
@@ -216,8 +225,7 @@ def neighbour(
     body = body_of(neighbour_server)
     first_answer(url, body, time.perf_counter())
     try:
-        make_pool(client, server, count, memory)
-        client.patch(f"/v1/pools/{server.name}", json={"size": count})
+        make_pool(client, server, count, memory, BURST_SHAPE)
         wait_pool(client, server.name, count)
         quiet = load(url, body, rate, seconds)
         client.patch(f"/v1/pools/{server.name}", json={"size": 0})

@@ -423,8 +423,8 @@ class SlotIsolator:
                 remove_subtree(self.host, new, self.config.kill_timeout_s)
                 self.pool.sync()
                 raise
+            # The pool does not change: the standby's cgroup was a shared slot, which never cuts it.
             source.delete(self.config.kill_timeout_s)
-            self.pool.sync()
             return applied
 
     def release(self, slot_id: str) -> None:
