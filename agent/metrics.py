@@ -18,6 +18,8 @@ Series (all prefixed ``nodeagent_``):
 - ``slot_foreign_cpu_seconds_total{slot, name}``, ``slot_foreign_irq_seconds_total{slot, name}`` and
   ``slot_foreign_cpu_fraction{slot, name}``: guaranteed slots' CPU time taken by anything else
   (docs/host-partitioning.md), counted from the agent's first look at the slot;
+- ``standby{resource}``: warm pools' standby workers: ``slots``, ``frozen`` and ``memory_bytes``
+  (their memory is reserved; their CPU is zero; they are not counted in ``slots{state, qos}``);
 - ``host_partitioning_active``, ``host_confined_items{kind}``, ``host_immovable_items``: whether the
   rest of the host is kept off exclusive CPUs now, what is held confined, what cannot move;
 - ``ready``, ``agent_info{version, node_id, cgroup_mode}``, ``degraded_features``;
@@ -289,7 +291,15 @@ def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:
         for resource, value in _items(figures):
             if isinstance(value, int | float) and not isinstance(value, bool):
                 qos.add_metric((name, resource), float(value))
-    return [host, numa, qos]
+    standby = GaugeMetricFamily(
+        f"{PREFIX}_standby",
+        "Warm pools' standby workers (docs/pools.md): slots, how many are frozen, memory bytes they hold.",
+        labels=("resource",),
+    )
+    for resource, value in _items(capacity.get("standby")):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            standby.add_metric((resource,), float(value))
+    return [host, numa, qos, standby]
 
 
 def _items(obj: Any) -> list[tuple[str, Any]]:

@@ -53,6 +53,7 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
         l3=res.l3_share,
         # Fixed at allocate (runtime/worker_kind.py): every resize and start gives the same answer.
         containers=slot_kind(slot.request).needs_container_runtime,
+        background=slot.pool is not None,
     )
 
 

@@ -71,6 +71,8 @@ from nodeagent.isolation.network import (
     validate_slot_id,
 )
 from nodeagent.isolation.qos import (
+    CPU_SHARES_MIN,
+    CPU_WEIGHT_MIN,
     QOS_CLASSES,
     QosClassName,
     QosParameters,
@@ -679,13 +681,18 @@ class SlotIsolator:
                 )
 
     def _parameters(self, spec: SlotIsolationSpec) -> QosParameters:
-        return qos_parameters(
+        params = qos_parameters(
             spec.qos,
             cpus=slot_cpu_request(spec),
             memory_bytes=spec.memory_bytes,
             cpu_idle_available=class_has_cpu_idle(self.host, self.hierarchy, spec.qos),
             defaults=self.config.qos,
         )
+        if spec.background:
+            # The lowest weight, not cpu.idle/SCHED_IDLE: a standby must still start on a busy
+            # host, only after everything else there.
+            params = dataclasses.replace(params, cpu_weight=CPU_WEIGHT_MIN, cpu_shares=CPU_SHARES_MIN)
+        return params
 
     def _check_network_filter(self, slot_id: str) -> None:
         problem = self.firewall_problem

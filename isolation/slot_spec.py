@@ -75,6 +75,10 @@ class SlotIsolationSpec:
     #: The slot's worker is a container: its device cgroup also admits what an OCI runtime writes
     #: into the container's own device cgroup below it (isolation.devices.CONTAINER_RUNTIME_DEVICES).
     containers: bool = False
+    #: A warm pool's standby (docs/pools.md): its start is background work, so it runs at the
+    #: lowest CPU weight and yields the shared CPUs to every other task there (frozen once ready,
+    #: it takes none). Taken as a slot, it gets its class's weight like any other.
+    background: bool = False
 
     def __post_init__(self) -> None:
         validate_slot_id(self.slot_id)

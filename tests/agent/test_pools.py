@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.daemon import HOST_OFF, DaemonProcess, remove_daemon_objects, wait_until
 
@@ -112,6 +113,13 @@ def test_standbys_frozen_then_claimed_onto_an_exclusive_core_and_refilled(daemon
         assert "/burstable/" in f"/{slot['cgroup']}/", "a standby waits on the shared pool, not on a core"
     held = client.get("/v1/capacity").json()["standby"]
     assert held == {"slots": 2, "frozen": 2, "memory_bytes": 2 * 128 * 2**20}
+    scraped = {
+        sample.labels["resource"]: sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        if family.name == "nodeagent_standby"
+        for sample in family.samples
+    }
+    assert scraped == {"slots": 2, "frozen": 2, "memory_bytes": 2 * 128 * 2**20}
     assert [s["name"] for s in client.get("/v1/slots").json()["slots"]] == []  # standbys are no one's
 
     claimed = client.post("/v1/slots", json={"name": "a", "pool": "web"})

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, detect, open_manager
+from nodeagent.cgroups.resources import weight_to_shares
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
@@ -29,7 +30,7 @@ from nodeagent.isolation.network import (
     host_veth_name,
 )
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
-from nodeagent.isolation.qos import qos_parameters
+from nodeagent.isolation.qos import CPU_WEIGHT_MIN, qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import (
@@ -634,3 +635,30 @@ def test_a_slot_cut_short_before_its_cpuset_directory_is_still_listed(
     assert owned["cut"].applied.cpus == frozenset()
     assert owned["cut"].applied.mems is None
     assert isolator.remove_orphans(()).cgroups == {"cut": relpath}
+
+
+@pytest.mark.root
+def test_a_standby_waits_at_the_lowest_weight_frozen_then_changes_class_thawed(
+    isolator: SlotIsolator, host: CgroupHost, start_in
+) -> None:
+    """A warm pool's standby (docs/pools.md): burstable in the background, frozen once ready, then
+    taken as a guaranteed slot: every process moves into the new class's cgroup and runs again
+    there, with that class's weight, and the standby's cgroup goes."""
+    standby = isolator.apply(SlotIsolationSpec("s", "burstable", memory_bytes=128 * MiB, background=True))
+    cpu = host.v1_mounts["cpu"]
+    assert int((cpu / standby.cgroup / "cpu.shares").read_text()) == weight_to_shares(CPU_WEIGHT_MIN)
+    worker = start_in(standby)
+    isolator.freeze("s", "burstable")
+    assert isolator.frozen("s", "burstable") == "frozen"
+    assert status_field(worker.pid, "State").startswith(("D", "S"))
+
+    taken = isolator.change_class(guaranteed("s"), "burstable")
+    assert taken.cgroup != standby.cgroup
+    assert not (cpu / standby.cgroup).exists(), "the standby's cgroup went"
+    assert isolator.frozen("s", "guaranteed") == "thawed"
+    weight = qos_parameters("guaranteed", cpus=1, memory_bytes=128 * MiB, cpu_idle_available=False).cpu_weight
+    shares = int((cpu / taken.cgroup / "cpu.shares").read_text())
+    assert shares == weight_to_shares(weight) > 2 * weight_to_shares(CPU_WEIGHT_MIN)
+    assert str(worker.pid) in (host.v1_mounts["cpuset"] / taken.cgroup / "cgroup.procs").read_text().split()
+    assert status_field(worker.pid, "Cpus_allowed_list") == "1"
+    assert worker.proc.poll() is None
