@@ -28,6 +28,8 @@ ISOLATION = {
     "firewall_table": f"natest{os.getpid()}w",
 }
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: The pure-v2 VM (tests/agent/v2vm) runs the same tests on a much slower machine.
+STARTUP = 180.0 if os.environ.get("NODEAGENT_IN_CGROUP2_VM") == "1" else 30.0
 #: Outside the test's virtualenv: a sandboxed worker runs as its slot's own uid.
 PYTHON = "/usr/bin/python3"
 SPEC: dict[str, Any] = {
@@ -82,7 +84,7 @@ def standbys(client: httpx.Client) -> list[dict[str, Any]]:
     return [s for s in client.get("/v1/slots", params={"standby": "true"}).json()["slots"] if s["pool"]]
 
 
-def wait_ready(client: httpx.Client, count: int, timeout: float = 60) -> dict[str, Any]:
+def wait_ready(client: httpx.Client, count: int, timeout: float = 2 * STARTUP) -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
         pool = client.get("/v1/pools/web").json()
         return pool if pool["ready"] == count and pool["starting"] == 0 else None
@@ -95,7 +97,7 @@ def serves(endpoint: dict[str, Any]) -> bool:
 
 
 def test_standbys_frozen_then_claimed_onto_an_exclusive_core_and_refilled(daemon: DaemonProcess) -> None:
-    client = daemon.start()
+    client = daemon.start(timeout=STARTUP)
     created = client.post("/v1/pools", json=SPEC)
     assert created.status_code == 201, created.text
     assert client.post("/v1/pools", json=SPEC).status_code == 200  # the same pool again
@@ -156,7 +158,7 @@ def test_standbys_frozen_then_claimed_onto_an_exclusive_core_and_refilled(daemon
 
 
 def test_claims_that_do_not_match_are_refused_or_cold_started(daemon: DaemonProcess) -> None:
-    client = daemon.start()
+    client = daemon.start(timeout=STARTUP)
     assert client.post("/v1/pools", json={**SPEC, "size": 1}).status_code == 201
     wait_ready(client, 1)
 
@@ -185,7 +187,7 @@ def test_claims_that_do_not_match_are_refused_or_cold_started(daemon: DaemonProc
 def test_a_standby_that_died_frozen_is_passed_over_and_an_agent_kill_keeps_them_frozen(
     daemon: DaemonProcess,
 ) -> None:
-    client = daemon.start()
+    client = daemon.start(timeout=STARTUP)
     assert client.post("/v1/pools", json=SPEC).status_code == 201
     wait_ready(client, 2)
     first, second = sorted(standbys(client), key=lambda s: s["created_at"])
@@ -193,7 +195,7 @@ def test_a_standby_that_died_frozen_is_passed_over_and_an_agent_kill_keeps_them_
     daemon.kill()
     for slot in (first, second):
         assert frozen(slot["cgroup"]), "the standbys stay frozen while the agent is away"
-    client = daemon.start()
+    client = daemon.start(timeout=STARTUP)
     time.sleep(1.5)  # a few pool rounds
     after = {s["id"]: s for s in standbys(client)}
     assert set(after) == {first["id"], second["id"]}, "re-adopted, not duplicated"
@@ -212,12 +214,15 @@ def test_a_standby_that_died_frozen_is_passed_over_and_an_agent_kill_keeps_them_
 
 
 def test_standbys_give_their_memory_to_an_allocate_that_needs_it(daemon: DaemonProcess) -> None:
-    client = daemon.start()
-    big = {**SPEC, "slot": {**SPEC["slot"], "resources": {"cpus": 1, "memory": "4Gi"}}}
+    client = daemon.start(timeout=STARTUP)
+    # A quarter of what is free (at most 4 GiB) each: two standbys fit, and so does the slot below,
+    # on this host and in a small VM alike.
+    each = min(4 * 2**30, client.get("/v1/capacity").json()["resources"]["memory_bytes"]["free"] // 4)
+    big = {**SPEC, "slot": {**SPEC["slot"], "resources": {"cpus": 1, "memory": each}}}
     assert client.post("/v1/pools", json=big).status_code == 201
     wait_ready(client, 2)
     free = client.get("/v1/capacity").json()["resources"]["memory_bytes"]["free"]
-    need = free + 4 * 2**30  # fits only with one standby's memory back
+    need = free + each  # fits only with one standby's memory back
     request = {"name": "big", "qos": "burstable", "resources": {"cpus": 0.1, "memory": need}}
     got = client.post("/v1/slots", json=request)
     assert got.status_code == 201, got.text
@@ -234,7 +239,7 @@ def test_standbys_give_their_memory_to_an_allocate_that_needs_it(daemon: DaemonP
 
 
 def test_deleting_a_pool_removes_its_standbys_and_their_cgroups(daemon: DaemonProcess) -> None:
-    client = daemon.start()
+    client = daemon.start(timeout=STARTUP)
     assert client.post("/v1/pools", json=SPEC).status_code == 201
     wait_ready(client, 2)
     cgroups = [s["cgroup"] for s in standbys(client)]
