@@ -222,6 +222,10 @@ class KubernetesConfig:
     #: place containers the NRI shim (kube/nri-shim) forwards as slots (POST /v1/nri/...); slot
     #: names starting with "nri-" are then reserved for them
     nri: bool = False
+    #: serve a kubelet device plugin (API v1beta1) per accelerator class (agent/deviceplugin.py)
+    device_plugin: bool = False
+    #: where the kubelet's kubelet.sock is and the plugins' sockets go
+    device_plugin_dir: str = "/var/lib/kubelet/device-plugins/"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.config import AgentConfig
+from nodeagent.agent.deviceplugin import DevicePlugins
 from nodeagent.agent.journal import journal_handler
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
@@ -394,6 +395,40 @@ def controller_token(config: AgentConfig) -> str | None:
     return token
 
 
+class _ManagerDevices:
+    """What the device plugins read from the manager (agent/deviceplugin.py's DeviceSource)."""
+
+    def __init__(self, manager: SlotManager) -> None:
+        self._manager = manager
+
+    def topology(self) -> Topology:
+        return self._manager.topology()
+
+    def free_cpus_by_numa(self) -> dict[int, float]:
+        by_numa = self._manager.capacity().get("by_numa", {})
+        return {int(node): float(r.get("cpu", {}).get("free", 0)) for node, r in by_numa.items()}
+
+
+def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins | None:
+    """The kubelet device plugins ([kubernetes] device_plugin), started: they serve on their own
+    threads, and a kubelet that is absent or refuses is logged and retried, never fatal."""
+    if not config.kubernetes.device_plugin:
+        return None
+    plugins = DevicePlugins(
+        _ManagerDevices(manager),
+        Path(config.kubernetes.device_plugin_dir),
+        allowed_devices=config.placement.allowed_devices,
+        cdi=config.cdi.enabled and config.cdi.device_specs and manager.isolation.isolates,
+    )
+    try:
+        plugins.start()
+    except Exception:  # e.g. a directory it cannot write: the agent serves without the plugins
+        log.exception("device plugins did not start")
+        plugins.close()
+        return None
+    return plugins
+
+
 def _reporter(
     config: AgentConfig, manager: SlotManager, metrics: Metrics, token: str | None
 ) -> Reporter | None:
@@ -633,6 +668,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     metrics = Metrics(manager, stats_provider=_slot_stats(manager))
     qos = _qos_loop(config, manager, metrics)
     reporter = _reporter(config, manager, metrics, reporter_token)
+    plugins = _device_plugins(config, manager)
     watchdog = notify.Watchdog.from_environment()
     received: list[int] = []
     try:
@@ -677,6 +713,8 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
             qos.stop()
         if reporter is not None:
             reporter.stop()
+        if plugins is not None:
+            plugins.close()
         if pools is not None:
             pools.close()
         manager.close()
