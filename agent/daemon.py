@@ -545,7 +545,7 @@ def _server_class(uvicorn: Any) -> Any:
     still ends the wait at once rather than up to a second later.
     """
 
-    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+    class Server(uvicorn.Server):  # type: ignore[misc]
         def __init__(self, config: Any) -> None:
             self._exit_wake: asyncio.Event | None = None
             self._should_exit = False

@@ -790,7 +790,8 @@ class StateStore:
         with self._lock:
             if self._ports_cache is None:
                 ports: dict[str, list[SlotPort]] = {}
-                rows = self._read("SELECT slot_id, name, protocol, port FROM slot_ports ORDER BY slot_id, name")
+                sql = "SELECT slot_id, name, protocol, port FROM slot_ports ORDER BY slot_id, name"
+                rows = self._read(sql)
                 for r in rows:
                     ports.setdefault(str(r[0]), []).append(SlotPort(str(r[1]), _protocol(r[2]), int(r[3])))
                 self._ports_cache = {slot_id: tuple(held) for slot_id, held in ports.items()}
