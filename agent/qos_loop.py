@@ -344,7 +344,10 @@ class QosLoop:
     def slot_view(self, slot_id: str) -> tuple[tuple[dict[str, Any], ...], bool]:
         with self._views_lock:
             recent = self._recent.get(slot_id)
-            actions = tuple(dict(a) for a in recent) if recent else ()
+            # The entries themselves, not copies: _record builds each once and never changes it,
+            # and one class-wide action is shared by every best-effort slot's deque; copying 20 per
+            # slot was a third of GET /v1/slots at 500 slots (issue 23). Slot.to_json copies them.
+            actions = tuple(recent) if recent else ()
             return actions, slot_id in self._evicted
 
     def admit(self, request: SlotRequest, best_effort_cpus: float, best_effort_memory: int) -> None:

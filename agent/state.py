@@ -275,6 +275,12 @@ class StateStore:
         #: wait in ``_staged`` (None: deleted) and reach it at COMMIT, never on a ROLLBACK.
         self._slots: dict[str, Slot] = {}
         self._staged: dict[str, Slot | None] = {}
+        #: Every slot's sandbox uid and named ports, each table read whole on first use: listing
+        #: 500 slots asked SQLite twice per slot, most of GET /v1/slots' time (issue 23). Dropped
+        #: by every write (any write may touch them, an ON DELETE CASCADE included) and by a
+        #: ROLLBACK (a read inside the transaction may have seen its writes).
+        self._uids_cache: dict[str, int] | None = None
+        self._ports_cache: dict[str, tuple[SlotPort, ...]] | None = None
         try:
             if ballast is not None:
                 ballast.spare_room()  # opening recreates the WAL and shared-memory files
@@ -356,6 +362,7 @@ class StateStore:
             except BaseException:
                 self._depth = 0
                 self._staged = {}
+                self._drop_read_caches()
                 if self._db.in_transaction:  # SQLITE_FULL may already have rolled it back
                     self._db.execute("ROLLBACK")
                 raise
@@ -366,6 +373,7 @@ class StateStore:
             except sqlite3.Error as err:
                 if self._db.in_transaction:  # a failed COMMIT may already have rolled back
                     self._db.execute("ROLLBACK")
+                self._drop_read_caches()
                 raise self._write_error(err) from err
             for slot_id, slot in staged.items():
                 if slot is None:
@@ -375,8 +383,13 @@ class StateStore:
             for event in self._told:  # what happened is logged once it is the record
                 _log_event(*event)
 
+    def _drop_read_caches(self) -> None:
+        self._uids_cache = None
+        self._ports_cache = None
+
     def _write(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> sqlite3.Cursor:
         with self.transaction():
+            self._drop_read_caches()
             try:
                 return self._db.execute(sql, params)
             except sqlite3.IntegrityError as err:
@@ -676,8 +689,10 @@ class StateStore:
             self._keep_manifest(slot)
 
     def get_sandbox_uid(self, slot_id: str) -> int | None:
-        rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
-        return int(rows[0][0]) if rows else None
+        with self._lock:
+            if self._uids_cache is None:
+                self._uids_cache = self.sandbox_uids()
+            return self._uids_cache.get(slot_id)
 
     def sandbox_uids(self) -> dict[str, int]:
         """Every slot's uid (slot id -> uid)."""
@@ -772,10 +787,15 @@ class StateStore:
 
     def slot_ports(self, slot_id: str) -> list[SlotPort]:
         """The slot's named ports, by name."""
-        rows = self._read(
-            "SELECT name, protocol, port FROM slot_ports WHERE slot_id = ? ORDER BY name", (slot_id,)
-        )
-        return [SlotPort(str(r[0]), _protocol(r[1]), int(r[2])) for r in rows]
+        with self._lock:
+            if self._ports_cache is None:
+                ports: dict[str, list[SlotPort]] = {}
+                sql = "SELECT slot_id, name, protocol, port FROM slot_ports ORDER BY slot_id, name"
+                rows = self._read(sql)
+                for r in rows:
+                    ports.setdefault(str(r[0]), []).append(SlotPort(str(r[1]), _protocol(r[2]), int(r[3])))
+                self._ports_cache = {slot_id: tuple(held) for slot_id, held in ports.items()}
+            return list(self._ports_cache.get(slot_id, ()))
 
     # --- events -------------------------------------------------------------------------------
 

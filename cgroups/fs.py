@@ -114,6 +114,42 @@ def resolve_dir(root: Path, relpath: str | PurePosixPath) -> CgroupDir:
     return CgroupDir(resolve(root, relpath))
 
 
+@dataclass(frozen=True)
+class CgroupFile:
+    """A cgroup file that :func:`resolve_file` checked, kept by code that reads it every period: each
+    read is then one open, read and close of a string path (the QoS loop reads two files of every
+    best-effort slot a second; pathlib and the check cost more than the system calls, issue 23)."""
+
+    path: str
+
+
+def resolve_file(root: Path, relpath: str | PurePosixPath) -> CgroupFile:
+    """Check a cgroup file's path once, for reading it many times with :func:`read_checked`."""
+    return CgroupFile(str(resolve(root, relpath)))
+
+
+def read_checked(file: CgroupFile) -> str | None:
+    """Read a checked cgroup file (one read: these are small one-value files); None when the file
+    or its cgroup is gone. ``O_NOFOLLOW``: a symlink put in the file's place is refused."""
+    try:
+        fd = os.open(file.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENODEV):
+            return None
+        raise translate_os_error(f"reading {file.path}", err, CgroupError) from err
+    try:
+        chunks = []
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ENODEV):  # the cgroup went away between open and read
+            return None
+        raise translate_os_error(f"reading {file.path}", err, CgroupError) from err
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode()
+
+
 def _file_in(directory: CgroupDir, name: str | PurePosixPath) -> Path:
     name = str(name)
     if not name or "/" in name or name in (".", ".."):

@@ -18,6 +18,7 @@ from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.state import MIGRATIONS, StateError, StateStore
 from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.placement import Assignment
+from nodeagent.runtime.ports import PortWant, SlotPort
 from nodeagent.runtime.process import ExitRecord
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request
@@ -353,3 +354,32 @@ def test_the_slots_it_answers_from_memory_are_what_the_database_holds(tmp_path: 
             again.close()
     finally:
         store.close()
+
+
+def test_per_slot_uid_and_port_reads_follow_writes_cascades_and_rollbacks(store: StateStore) -> None:
+    # get_sandbox_uid and slot_ports answer from a whole-table read kept between writes: every
+    # write, a slot's cascade and a rolled-back transaction must show in the next read.
+    store.insert_slot(slot("s1", "a"))
+    store.insert_slot(slot("s2", "b"))
+    assert store.get_sandbox_uid("s1") is None
+    assert store.slot_ports("s1") == []
+    uid = store.sandbox_uid("s1", 700000, 700010, lambda _: False)
+    assert store.get_sandbox_uid("s1") == uid
+    assert store.get_sandbox_uid("s2") is None
+    ports = store.assign_ports("s2", {"http": PortWant("http", "tcp")}, 20000, 20009, lambda _: False)
+    assert store.slot_ports("s2") == ports
+    assert store.slot_ports("s1") == []
+    seen: list[list[SlotPort]] = []
+
+    def delete_then_fail() -> None:
+        with store.transaction():
+            store.delete_slot("s2")
+            seen.append(store.slot_ports("s2"))  # the transaction sees its own write
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError):
+        delete_then_fail()
+    assert seen == [[]]
+    assert store.slot_ports("s2") == ports
+    store.delete_slot("s1")  # ON DELETE CASCADE takes its uid
+    assert store.get_sandbox_uid("s1") is None

@@ -109,3 +109,17 @@ def test_mount_fs_type_takes_the_innermost_mount(tmp_path: Path, path: str, expe
 def test_the_real_cgroup_mount_skips_the_realpath_check_and_a_fake_tree_does_not(tmp_path: Path) -> None:
     assert fs.mount_fs_type(str(tmp_path)) not in ("cgroup", "cgroup2")
     assert fs._root_facts(str(tmp_path))[1] is False  # so a symlink in a fake tree is still refused
+
+
+def test_a_checked_file_reads_afresh_and_none_once_gone(tmp_path: Path) -> None:
+    root = tmp_path / "cg"
+    (root / "slot").mkdir(parents=True)
+    (root / "slot" / "cpuacct.usage").write_text("12\n")
+    file = fs.resolve_file(root, "slot/cpuacct.usage")
+    assert fs.read_checked(file) == "12\n"
+    (root / "slot" / "cpuacct.usage").write_text("34\n")
+    assert fs.read_checked(file) == "34\n"
+    (root / "slot" / "cpuacct.usage").unlink()
+    assert fs.read_checked(file) is None
+    with pytest.raises(CgroupError, match="refusing"):
+        fs.resolve_file(root, "../outside")
