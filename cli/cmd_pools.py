@@ -13,10 +13,11 @@ import click
 
 from nodeagent.bytesize import format_quantity
 from nodeagent.cli.cmd_slots import (
-    _json_object,
-    _read_argument,
     api_options,
     client_from,
+    json_object,
+    json_option,
+    read_argument,
     subcommand_api_options,
 )
 
@@ -29,9 +30,6 @@ def command(ctx: click.Context, api: str | None, token_file: Path | None) -> Non
     ctx.find_root().meta["nodeagent.api"] = (api, token_file)
 
 
-_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
 @command.command("create")
 @subcommand_api_options
 @click.option(
@@ -41,11 +39,11 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON 
     metavar="JSON|@FILE|-",
     help='The pool as JSON ({"name", "size", "slot": {"qos", "resources", "worker"}}), @FILE or - for stdin.',
 )
-@_json_option
+@json_option
 @click.pass_context
 def create_command(ctx: click.Context, spec_text: str, as_json: bool) -> None:
     """Create a pool (idempotent: the same spec again shows the existing pool)."""
-    spec = _json_object(_read_argument(spec_text, "spec"), "--spec")
+    spec = json_object(read_argument(spec_text, "spec"), "--spec")
     pool, created = client_from(ctx).create_pool(spec)
     if as_json:
         click.echo(json.dumps(pool, indent=2))
@@ -56,7 +54,7 @@ def create_command(ctx: click.Context, spec_text: str, as_json: bool) -> None:
 
 @command.command("list")
 @subcommand_api_options
-@_json_option
+@json_option
 @click.pass_context
 def list_command(ctx: click.Context, as_json: bool) -> None:
     """One line per pool."""
@@ -86,7 +84,7 @@ def list_command(ctx: click.Context, as_json: bool) -> None:
 @command.command("show")
 @subcommand_api_options
 @click.argument("name")
-@_json_option
+@json_option
 @click.pass_context
 def show_command(ctx: click.Context, name: str, as_json: bool) -> None:
     """A pool with its standbys."""
@@ -98,7 +96,7 @@ def show_command(ctx: click.Context, name: str, as_json: bool) -> None:
 @subcommand_api_options
 @click.argument("name")
 @click.argument("size", type=click.IntRange(0, 64))
-@_json_option
+@json_option
 @click.pass_context
 def resize_command(ctx: click.Context, name: str, size: int, as_json: bool) -> None:
     """Keep SIZE standbys from now on (a smaller pool drops its extra standbys at once)."""

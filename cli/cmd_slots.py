@@ -77,12 +77,12 @@ def command(ctx: click.Context, api: str | None, token_file: Path | None) -> Non
     ctx.find_root().meta["nodeagent.api"] = (api, token_file)
 
 
-_json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 @command.command("list")
 @subcommand_api_options
-@_json_option
+@json_option
 @click.pass_context
 def list_command(ctx: click.Context, as_json: bool) -> None:
     """One line per slot."""
@@ -93,7 +93,7 @@ def list_command(ctx: click.Context, as_json: bool) -> None:
 @command.command("show")
 @subcommand_api_options
 @click.argument("slot_id", metavar="ID")
-@_json_option
+@json_option
 @click.pass_context
 def show_command(ctx: click.Context, slot_id: str, as_json: bool) -> None:
     """Everything about one slot (by id or name)."""
@@ -136,7 +136,7 @@ def show_command(ctx: click.Context, slot_id: str, as_json: bool) -> None:
     show_default=True,
     help="Seconds --wait waits before giving up.",
 )
-@_json_option
+@json_option
 @click.pass_context
 def allocate_command(
     ctx: click.Context, /, request_text: str | None, as_json: bool, wait: bool, timeout: float, **flags: Any
@@ -164,7 +164,7 @@ def allocate_command(
 @click.option("--resources", "resources_text", metavar="JSON", help="A partial resources object.")
 @click.option("--cpus", help="New CPU count or quota.")
 @click.option("--memory", help="New memory limit.")
-@_json_option
+@json_option
 @click.pass_context
 def resize_command(
     ctx: click.Context,
@@ -177,7 +177,7 @@ def resize_command(
     as_json: bool,
 ) -> None:
     """Change a slot's resources in place."""
-    resources = _json_object(resources_text, "--resources") if resources_text else {}
+    resources = json_object(resources_text, "--resources") if resources_text else {}
     resources.update(_resource_flags(cpus=cpus, memory=memory))
     if not resources:
         raise InvalidRequest("resize: nothing to change; give --cpus, --memory or --resources JSON")
@@ -228,13 +228,13 @@ def wait_options(func: F) -> F:
     help="The WorkerSpec as JSON, @FILE or - for stdin [default: the worker in the slot's request].",
 )
 @wait_options
-@_json_option
+@json_option
 @click.pass_context
 def start_command(
     ctx: click.Context, /, slot_id: str, *, spec_text: str | None, wait: bool, timeout: float, as_json: bool
 ) -> None:
     """Start the slot's worker; with --wait, until it is running (ready)."""
-    spec = None if spec_text is None else _json_object(_read_argument(spec_text, "spec"), "--spec")
+    spec = None if spec_text is None else json_object(read_argument(spec_text, "spec"), "--spec")
     client = client_from(ctx)
     slot = client.start_worker(slot_id, spec)
     if wait:
@@ -246,7 +246,7 @@ def start_command(
 @subcommand_api_options
 @click.argument("slot_id", metavar="ID")
 @wait_options
-@_json_option
+@json_option
 @click.pass_context
 def stop_command(ctx: click.Context, /, slot_id: str, *, wait: bool, timeout: float, as_json: bool) -> None:
     """Stop the slot's worker gracefully (the slot stays); with --wait, until it has ended."""
@@ -417,7 +417,7 @@ def _request_from(request_text: str | None, flags: Mapping[str, Any]) -> dict[st
             raise InvalidRequest(
                 f"allocate: --request and --{next(iter(given)).replace('_', '-')} both given; use one way"
             )
-        return _json_object(_read_argument(request_text, "request"), "--request")
+        return json_object(read_argument(request_text, "request"), "--request")
     if "pool" in given:
         if "name" not in given:
             raise InvalidRequest("allocate: --pool needs --name (the slot's name)")
@@ -463,7 +463,7 @@ def _number_or_text(text: str) -> int | float | str:
     return text  # e.g. "500m": the agent parses it
 
 
-def _read_argument(text: str, what: str) -> str:
+def read_argument(text: str, what: str) -> str:
     if text == "-":
         return sys.stdin.read()
     if text.startswith("@"):
@@ -475,7 +475,7 @@ def _read_argument(text: str, what: str) -> str:
     return text
 
 
-def _json_object(text: str, option: str) -> dict[str, Any]:
+def json_object(text: str, option: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as err:
