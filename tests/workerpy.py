@@ -51,12 +51,25 @@ def world_python() -> str:
     pytest.fail(f"no Python interpreter usable by an unprivileged uid among {', '.join(CANDIDATES)}")
 
 
+def readable_by_others(path: Path) -> bool:
+    """Whether a user who is neither the owner nor in the group can read ``path``: the file has the
+    "other" read bit and every directory above it the "other" execute bit."""
+    try:
+        if not path.stat().st_mode & stat.S_IROTH:
+            return False
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.parents)
+    except OSError:
+        return False
+
+
 def worker_visible(path: Path) -> str:
     """``path`` as a sandboxed worker can open it: itself, or, when this checkout lies under /tmp or
-    /dev/shm (which the sandbox replaces with the slot's own), a world-readable copy in /var/tmp
-    (removed when the test process exits)."""
+    /dev/shm (which the sandbox replaces with the slot's own) or below a directory other users
+    cannot enter (a clone under root's 0700 home, or in a ``mktemp -d`` directory), a world-readable
+    copy in /var/tmp (removed when the test process exits)."""
     real = path.resolve()
-    if not any(real.is_relative_to(hidden) for hidden in REPLACED_BY_SANDBOX):
+    hidden = any(real.is_relative_to(replaced) for replaced in REPLACED_BY_SANDBOX)
+    if not hidden and readable_by_others(real):
         return str(real)
     if real not in _copies:
         base = Path(tempfile.mkdtemp(prefix=f"natest{os.getpid()}-files-", dir="/var/tmp"))
