@@ -34,11 +34,20 @@ CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
 def usable_by_others(path: str) -> bool:
     """Whether a user who is neither the owner nor in the group can execute ``path``: the file and
     every directory above it (after resolving links) have the "other" execute bit."""
-    real = Path(os.path.realpath(path))
+    return _open_to_others(Path(os.path.realpath(path)), stat.S_IXOTH)
+
+
+def readable_by_others(path: Path) -> bool:
+    """Whether such a user can read ``path``: the "other" read bit on it, execute on every
+    directory above it."""
+    return _open_to_others(path, stat.S_IROTH)
+
+
+def _open_to_others(path: Path, file_bit: int) -> bool:
     try:
-        if not real.stat().st_mode & stat.S_IXOTH:
+        if not path.stat().st_mode & file_bit:
             return False
-        return all(parent.stat().st_mode & stat.S_IXOTH for parent in real.parents)
+        return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.parents)
     except OSError:
         return False
 
@@ -49,17 +58,6 @@ def world_python() -> str:
         if usable_by_others(candidate):
             return candidate
     pytest.fail(f"no Python interpreter usable by an unprivileged uid among {', '.join(CANDIDATES)}")
-
-
-def readable_by_others(path: Path) -> bool:
-    """Whether a user who is neither the owner nor in the group can read ``path``: the file has the
-    "other" read bit and every directory above it the "other" execute bit."""
-    try:
-        if not path.stat().st_mode & stat.S_IROTH:
-            return False
-        return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.parents)
-    except OSError:
-        return False
 
 
 def worker_visible(path: Path) -> str:
