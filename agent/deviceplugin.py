@@ -238,18 +238,24 @@ class DevicePlugins:
             return tuple(self._problems[k] for k in sorted(self._problems))
 
     def start(self, *, watch: bool = True) -> None:
-        """Serve and register now, then (``watch``) poll in a daemon thread."""
-        self.poll()
-        if watch:
-            self._thread = threading.Thread(target=self._run, name="device-plugins", daemon=True)
-            self._thread.start()
+        """``watch``: serve, register and poll in a daemon thread, the first poll at once; the
+        caller never waits on the kubelet (a hung kubelet socket costs a registration timeout
+        per resource, which must not hold up the agent's start). Without ``watch``: one poll
+        now, in the caller's thread (tests drive ``poll`` themselves)."""
+        if not watch:
+            self.poll()
+            return
+        self._thread = threading.Thread(target=self._run, name="device-plugins", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
             try:
                 self.poll()
             except Exception:  # a poll that fails tries again next interval; the daemon goes on
                 log.exception("device plugin poll failed")
+            if self._stop.wait(self._interval):
+                return
 
     def poll(self) -> None:
         """Take the devices' current state, push changes to ListAndWatch, and serve and register

@@ -11,7 +11,9 @@ import dataclasses
 import queue
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -32,18 +34,31 @@ TOPOLOGY = synthetic_topology(
 GPU = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(4)]
 
 
-class FakeKubelet:
-    """The kubelet's Registration service: records every request; ``refuse`` answers an error."""
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
-    def __init__(self, directory: Path, *, refuse: bool = False) -> None:
+
+class FakeKubelet:
+    """The kubelet's Registration service: records every request; ``refuse`` answers an error;
+    with a ``gate``, each Register waits until the gate is set (a kubelet that hangs)."""
+
+    def __init__(
+        self, directory: Path, *, refuse: bool = False, gate: threading.Event | None = None
+    ) -> None:
         self.requests: queue.Queue[pb.RegisterRequest] = queue.Queue()
         self.refuse = refuse
+        self.gate = gate
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         rpc.add_RegistrationServicer_to_server(self, self.server)
         self.server.add_insecure_port(f"unix://{directory / 'kubelet.sock'}")
         self.server.start()
 
     def Register(self, request: pb.RegisterRequest, context: Any) -> pb.Empty:  # gRPC names the method
+        if self.gate is not None:
+            self.gate.wait(30)
         if self.refuse:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resource name already taken")
         self.requests.put(request)
@@ -342,6 +357,7 @@ def test_a_refusing_kubelet_is_a_problem(plugin_dir: Path, source: Source) -> No
 def test_close_removes_the_sockets(plugin_dir: Path, kubelet: FakeKubelet, source: Source) -> None:
     p = make(plugin_dir, source)
     p.start()
+    wait_for(lambda: len(list(plugin_dir.glob("nodeagent-*.sock"))) == 4, "the plugins' sockets")
     assert sorted(s.name for s in plugin_dir.glob("nodeagent-*.sock")) == [
         "nodeagent-fpga.sock",
         "nodeagent-gpu.sock",
@@ -351,3 +367,23 @@ def test_close_removes_the_sockets(plugin_dir: Path, kubelet: FakeKubelet, sourc
     p.close()
     assert list(plugin_dir.glob("nodeagent-*.sock")) == []
     assert (plugin_dir / "kubelet.sock").exists()
+
+
+def test_start_does_not_wait_on_a_kubelet_that_hangs(plugin_dir: Path, source: Source) -> None:
+    # The agent starts its API after the plugins: a kubelet that takes a registration and does
+    # not answer must cost the agent nothing (the registrations wait on the plugins' thread).
+    gate = threading.Event()
+    k = FakeKubelet(plugin_dir, gate=gate)
+    p = make(plugin_dir, source)
+    try:
+        p.start()
+        # Returned while the first registration still hangs: nothing registered, nothing failed.
+        assert k.requests.empty()
+        assert p.problems() == ()
+        gate.set()
+        wait_for(lambda: k.requests.qsize() == 4, "the four registrations once the kubelet answers")
+        assert p.problems() == ()
+    finally:
+        gate.set()
+        p.close()
+        k.stop()
