@@ -45,9 +45,7 @@ class FakeKubelet:
     """The kubelet's Registration service: records every request; ``refuse`` answers an error;
     with a ``gate``, each Register waits until the gate is set (a kubelet that hangs)."""
 
-    def __init__(
-        self, directory: Path, *, refuse: bool = False, gate: threading.Event | None = None
-    ) -> None:
+    def __init__(self, directory: Path, *, refuse: bool = False, gate: threading.Event | None = None) -> None:
         self.requests: queue.Queue[pb.RegisterRequest] = queue.Queue()
         self.refuse = refuse
         self.gate = gate
