@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.config import AgentConfig
-from nodeagent.agent.deviceplugin import DevicePlugins
 from nodeagent.agent.journal import journal_handler
 from nodeagent.agent.manager import SlotManager
 from nodeagent.agent.recovery import Manifests, RecoveryMode
@@ -68,6 +67,7 @@ from nodeagent.runtime.presets import find_program
 from nodeagent.runtime.workers import KeeperRuntime
 
 if TYPE_CHECKING:
+    from nodeagent.agent.deviceplugin import DevicePlugins
     from nodeagent.agent.metrics import Metrics
     from nodeagent.agent.qos_loop import QosLoop
     from nodeagent.agent.reporter import Reporter
@@ -414,6 +414,10 @@ def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins 
     threads, and a kubelet that is absent or refuses is logged and retried, never fatal."""
     if not config.kubernetes.device_plugin:
         return None
+    # Only now: grpc and protobuf add ~19 MB to the daemon's RSS, which an agent without the
+    # plugins should not carry.
+    from nodeagent.agent.deviceplugin import DevicePlugins  # noqa: PLC0415
+
     plugins = DevicePlugins(
         _ManagerDevices(manager),
         Path(config.kubernetes.device_plugin_dir),
