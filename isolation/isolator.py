@@ -43,6 +43,7 @@ from nodeagent.cgroups import (
     remove_subtree,
 )
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
+from nodeagent.cgroups.resources import CPU_SHARES_MIN, CPU_WEIGHT_MIN
 from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.errors import (
     CgroupError,
@@ -71,8 +72,6 @@ from nodeagent.isolation.network import (
     validate_slot_id,
 )
 from nodeagent.isolation.qos import (
-    CPU_SHARES_MIN,
-    CPU_WEIGHT_MIN,
     QOS_CLASSES,
     QosClassName,
     QosParameters,

@@ -24,13 +24,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, get_args
 
+# The knobs' ranges and the shares <-> weight conversion are the cgroup layer's (one definition).
+from nodeagent.cgroups.resources import (
+    CPU_SHARES_DEFAULT,
+    CPU_SHARES_MAX,
+    CPU_SHARES_MIN,
+    CPU_WEIGHT_MIN,
+    shares_to_weight,
+)
 from nodeagent.errors import InvalidRequest, Unsupported, translate_os_error
 
 QosClassName = Literal["guaranteed", "burstable", "best-effort"]
 QOS_CLASSES: tuple[QosClassName, ...] = get_args(QosClassName)
 
-CPU_WEIGHT_MIN, CPU_WEIGHT_DEFAULT, CPU_WEIGHT_MAX = 1, 100, 10_000
-CPU_SHARES_MIN, CPU_SHARES_DEFAULT, CPU_SHARES_MAX = 2, 1024, 262_144
 IO_WEIGHT_MIN, IO_WEIGHT_MAX = 1, 10_000
 BLKIO_WEIGHT_MIN, BLKIO_WEIGHT_MAX = 10, 1000
 # The kernel refuses cpu.max / cfs_quota_us quotas below 1 ms and periods outside 1 ms..1 s.
@@ -127,11 +133,6 @@ def suppressed(params: QosParameters, defaults: QosDefaults = QosDefaults()) -> 
         raise InvalidRequest(f"only best-effort slots are suppressed, not {params.qos}")
     quota = max(CFS_QUOTA_MIN_US, round(defaults.suppressed_cpus * params.cpu_period_us))
     return replace(params, cpu_quota_us=quota)
-
-
-def shares_to_weight(shares: int) -> int:
-    """v1 cpu.shares to v2 cpu.weight, linear with 1024 -> 100 (systemd's conversion)."""
-    return _clamp(round(shares * CPU_WEIGHT_DEFAULT / CPU_SHARES_DEFAULT), CPU_WEIGHT_MIN, CPU_WEIGHT_MAX)
 
 
 def cpus_to_shares(cpus: float) -> int:

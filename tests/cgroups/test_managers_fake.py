@@ -266,3 +266,12 @@ def test_weight_shares_mapping_keeps_defaults_aligned(weight: int, shares: int) 
 def test_resources_are_validated(kwargs: dict[str, int]) -> None:
     with pytest.raises(InvalidRequest):
         CgroupLimits(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("shares", "weight"),
+    [(2, 1), (512, 50), (1024, 100), (10240, 1000), (262_144, 10_000)],
+    ids=["min", "half", "default", "ten-cpus", "max"],
+)
+def test_shares_to_weight_keeps_default_to_default_within_the_kernel_ranges(shares: int, weight: int) -> None:
+    assert shares_to_weight(shares) == weight

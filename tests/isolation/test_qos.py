@@ -18,7 +18,6 @@ from nodeagent.isolation.qos import (
     quota_us,
     sched_idle_supported,
     set_sched_idle,
-    shares_to_weight,
     suppressed,
 )
 
@@ -213,15 +212,6 @@ def test_suppression_cuts_best_effort_quota_only() -> None:
     burst = qos_parameters("burstable", cpus=1, memory_bytes=GiB, cpu_idle_available=True)
     with pytest.raises(InvalidRequest, match="only best-effort"):
         suppressed(burst)
-
-
-@pytest.mark.parametrize(
-    ("shares", "weight"),
-    [(2, 1), (512, 50), (1024, 100), (10240, 1000), (262_144, 10_000)],
-    ids=["min", "half", "default", "ten-cpus", "max"],
-)
-def test_shares_to_weight_keeps_default_to_default(shares: int, weight: int) -> None:
-    assert shares_to_weight(shares) == weight
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, detect, open_manager
-from nodeagent.cgroups.resources import weight_to_shares
+from nodeagent.cgroups.resources import CPU_WEIGHT_MIN, weight_to_shares
 from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NetworkError, NotFound, Unsupported
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
@@ -30,7 +30,7 @@ from nodeagent.isolation.network import (
     host_veth_name,
 )
 from nodeagent.isolation.network_ipbatch import IpBatchBackend
-from nodeagent.isolation.qos import CPU_WEIGHT_MIN, qos_parameters
+from nodeagent.isolation.qos import qos_parameters
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec, SlotNetworkSpec
 from tests.isolation.specs import (
