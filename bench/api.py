@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import json
 import os
 import pstats
 import shutil
@@ -444,6 +445,16 @@ def profile_ticks(state_dir: Path, slots: int, ticks: int = 20) -> str:
         metrics.render()
         report.append(f"one /metrics render with {slots} slots: {(time.perf_counter() - t0) * 1000:.0f} ms")
         report.append(profiled(metrics.render, 14))
+
+        def slots_body() -> bytes:  # what GET /v1/slots does before the HTTP layer
+            return json.dumps({"slots": [s.to_json() for s in manager.list_slots()]}).encode()
+
+        t0 = time.perf_counter()
+        slots_body()
+        report.append(
+            f"one GET /v1/slots body with {slots} slots: {(time.perf_counter() - t0) * 1000:.0f} ms"
+        )
+        report.append(profiled(slots_body, 14))
     finally:
         for slot in manager.list_slots():
             with contextlib.suppress(Exception):

@@ -255,16 +255,22 @@ def read_int(root: Path | CgroupDir, relpath: str | PurePosixPath) -> int | None
     return parse_int(read_file(root, relpath), root, relpath)
 
 
-def parse_int(text: str, root: Path | CgroupDir, relpath: str | PurePosixPath) -> int | None:
-    """A single-number file's value; ``max`` (v2's "no limit") is None."""
+def parse_int(
+    text: str, root: Path | CgroupDir | CgroupFile, relpath: str | PurePosixPath = ""
+) -> int | None:
+    """A single-number file's value; ``max`` (v2's "no limit") is None. Where it was read (``root``
+    and ``relpath``, or a checked ``CgroupFile``) only names the file in the error."""
     text = text.strip()
     if text == "max":
         return None
     try:
         return int(text)
     except ValueError:
-        where = root.path if isinstance(root, CgroupDir) else root
-        raise CgroupError(f"expected a number in {where / relpath}, found {text!r}") from None
+        if isinstance(root, CgroupFile):
+            where = root.path
+        else:
+            where = str((root.path if isinstance(root, CgroupDir) else root) / relpath)
+        raise CgroupError(f"expected a number in {where}, found {text!r}") from None
 
 
 def read_keyed(root: Path | CgroupDir, relpath: str | PurePosixPath) -> dict[str, int]:

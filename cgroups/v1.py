@@ -224,7 +224,7 @@ def _int_file(files: dict[str, fs.CgroupFile], name: str) -> int | None:
     text = None if file is None else fs.read_checked(file)
     if text is None or file is None:
         return None
-    return fs.parse_int(text, Path(file.path).parent, name)
+    return fs.parse_int(text, file)
 
 
 def _keyed_file(files: dict[str, fs.CgroupFile], name: str) -> dict[str, int]:
