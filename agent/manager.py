@@ -82,6 +82,7 @@ from nodeagent.isolation.isolator import Frozen
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
     Assignment,
+    Capacity,
     PlacementOptions,
     capacity,
     placement_index,
@@ -291,6 +292,12 @@ class SlotManager:
 
     def topology(self) -> Topology:
         return self._topology
+
+    def capacity_report(self) -> Capacity:
+        """What the host has and what the ledger leaves, host-wide and per NUMA node, typed (the
+        NodeResourceTopology publisher reads it; ``capacity`` is the API's view with slot counts)."""
+        with self._lock:
+            return capacity(self._topology, self._ledger.held, self._options)
 
     def capacity(self) -> dict[str, Any]:
         with self._lock:
