@@ -504,3 +504,27 @@ def test_the_thread_publishes_changes_and_survives_a_server_that_is_down(
     finally:
         publisher.close()
         server.stop()
+
+
+def test_the_object_fits_the_vendored_crd_schema() -> None:
+    """The body against the v1alpha2 schema of the CRD the cluster installs (kube/), so a field
+    name or type the API server would refuse fails here."""
+    import jsonschema
+    import yaml
+
+    manifest = Path(__file__).resolve().parents[2] / "kube" / "noderesourcetopology-crd.yaml"
+    crd = yaml.safe_load(manifest.read_text())
+    assert crd["metadata"]["name"] == CRD_NAME
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    assert version["served"]
+    assert version["storage"]
+    schema = version["schema"]["openAPIV3Schema"]
+    sick = dataclasses.replace(TOPOLOGY.gpus[0], healthy=False)
+    topo = dataclasses.replace(TOPOLOGY, gpus=(sick, *TOPOLOGY.gpus[1:]))
+    body = node_resource_topology(NODE, topo, capacity(topo, Allocated()), devices=True).to_json()
+    jsonschema.validate(body, schema)
+    # The schema does check what it says: a zone without its type is refused.
+    broken = json.loads(json.dumps(body))
+    del broken["zones"][0]["type"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
