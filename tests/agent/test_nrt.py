@@ -528,3 +528,57 @@ def test_the_object_fits_the_vendored_crd_schema() -> None:
     del broken["zones"][0]["type"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+# =========================================================================== the daemon's wiring
+
+
+class FakeManager(Ledger):
+    """The manager as the daemon hands it over: a CapacitySource with the change hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subscribers: list[Callable[[], None]] = []
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self.subscribers.append(callback)
+
+    def change(self, held: Allocated) -> None:
+        self.held = held
+        for callback in self.subscribers:
+            callback()
+
+
+def test_the_daemon_starts_it_only_when_asked(
+    tmp_path: Path, api: FakeApiServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nodeagent.agent import daemon, nrt
+    from nodeagent.agent.config import AgentConfig, KubernetesConfig
+
+    manager = FakeManager()
+    assert daemon._nrt_publisher(AgentConfig(), manager) is None  # type: ignore[arg-type]
+    assert manager.subscribers == []
+
+    on = AgentConfig(
+        kubernetes=KubernetesConfig(
+            node_resource_topology=True, kubeconfig=kubeconfig(tmp_path, api.port), node_name=NODE
+        )
+    )
+    # Without the client: said why, and the agent goes on without publishing.
+    monkeypatch.setattr(nrt, "client_installed", lambda: False)
+    assert daemon._nrt_publisher(on, manager) is None  # type: ignore[arg-type]
+    assert "pip install 'nodeagent[kubernetes]'" in caplog.text
+    monkeypatch.undo()
+
+    api.crd = True
+    publisher = daemon._nrt_publisher(on, manager)  # type: ignore[arg-type]
+    assert publisher is not None
+    try:
+        wait_for(lambda: NODE in api.objects)
+        # The ledger's change hook reaches the publisher.
+        manager.change(Allocated(cpus=frozenset({4, 12})))
+        wait_for(lambda: zones(api.objects[NODE])["node-1"]["cpu"][2] == "6")
+        # Without [kubernetes] device_plugin the zones list only CPUs and memory.
+        assert set(zones(api.objects[NODE])["node-1"]) == {"cpu", "memory"}
+    finally:
+        publisher.close()
