@@ -382,6 +382,8 @@ class NrtPublisher:
         self._lock = threading.Lock()
         self._problem: str | None = None
         self._note: str | None = None
+        #: the body last found on the server as it should be (None: not yet, or the CRD went away)
+        self._last_body: dict[str, Any] | None = None
         self._failures = 0
         self._published = 0
         self._thread: threading.Thread | None = None
@@ -442,15 +444,19 @@ class NrtPublisher:
                     return
             elif now < next_pass:
                 continue
+            # A pass woken by a change may skip the API server when the numbers did not move; a
+            # timer's pass always reads the object (a deleted or edited object is put right).
+            resync = not self._changed.is_set()
             self._changed.clear()
             last_pass = time.monotonic()
-            delay, held = self.publish_once()
+            delay, held = self.publish_once(resync=resync)
             next_pass = time.monotonic() + delay
             hold_until = next_pass if held else 0.0
 
-    def publish_once(self) -> tuple[float, bool]:
+    def publish_once(self, *, resync: bool = True) -> tuple[float, bool]:
         """One pass; returns the seconds until the next, and whether ledger changes must wait for
-        it too (a failure's backoff, or no CRD to write to)."""
+        it too (a failure's backoff, or no CRD to write to). Without ``resync``, a body equal to
+        the one last published is not sent (no request at all)."""
         t = self._timing
         try:
             if self._api is None:
@@ -469,7 +475,10 @@ class NrtPublisher:
             body = node_resource_topology(
                 self._node, self._source.topology(), self._source.capacity_report(), devices=self._devices
             ).to_json()
-            self._write(self._api, body)
+            if resync or body != self._last_body:
+                self._last_body = None
+                self._write(self._api, body)
+                self._last_body = body
         except NrtNotServed as err:
             with self._lock:
                 self._crd_served = False

@@ -388,6 +388,25 @@ def test_with_the_crd_created_then_replaced_on_change(
     assert publisher.publishes == 3
 
 
+def test_a_change_that_moves_no_number_sends_nothing(
+    api: FakeApiServer, publisher_for: Callable[[int, Ledger], NrtPublisher]
+) -> None:
+    api.crd = True
+    ledger = Ledger()
+    publisher = publisher_for(api.port, ledger)
+    publisher.publish_once()
+    sent = len(api.requests)
+    # A worker's phase changed (the manager's hook fires), the capacity did not.
+    assert publisher.publish_once(resync=False) == (FAST.resync_s, False)
+    assert len(api.requests) == sent
+    ledger.held = Allocated(cpus=frozenset({4, 12}))
+    publisher.publish_once(resync=False)
+    assert [m for m, _ in api.paths()[sent:]] == ["GET", "PUT"]
+    # The timer's pass reads the object even when nothing moved.
+    publisher.publish_once()
+    assert [m for m, _ in api.paths()[sent + 2 :]] == ["GET"]
+
+
 def test_a_conflict_reads_again_and_retries(
     api: FakeApiServer, publisher_for: Callable[[int, Ledger], NrtPublisher]
 ) -> None:
