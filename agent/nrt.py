@@ -226,6 +226,10 @@ class NrtApi(Protocol):
 
     def replace(self, name: str, body: Mapping[str, Any]) -> None: ...
 
+    def close(self) -> None:
+        """Let go of its connections."""
+        ...
+
 
 def client_installed() -> bool:
     return importlib.util.find_spec("kubernetes") is not None
@@ -423,9 +427,8 @@ class NrtPublisher:
         if self._thread is not None:
             self._thread.join()
         api, self._api = self._api, None
-        close = getattr(api, "close", None)
-        if close is not None:
-            close()
+        if api is not None:
+            api.close()
 
     def _run(self) -> None:
         t = self._timing
@@ -529,7 +532,7 @@ class NrtPublisher:
             self._note = note
         if problem is not None and problem != previous:
             log.warning("%s (retrying with backoff, next in %g s)", problem, retry_s)
-        elif problem is None and previous is not None:
+        elif problem is None and previous is not None and note is None:
             log.info("NodeResourceTopology published again", extra={"node": self._node})
         if fresh_note:
             log.info("%s", note)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import threading
 import time
@@ -601,3 +602,60 @@ def test_the_daemon_starts_it_only_when_asked(
         assert set(zones(api.objects[NODE])["node-1"]) == {"cpu", "memory"}
     finally:
         publisher.close()
+
+
+# =========================================================================== a running agent
+
+
+def cpu_available(server: FakeApiServer) -> int:
+    return sum(int(res["cpu"][2]) for res in zones(server.objects[NODE]).values())
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_a_running_agent_publishes_what_its_ledger_holds(tmp_path: Path, api: FakeApiServer) -> None:
+    """``nodeagent serve`` with the key on, against the fake API server: the object appears at
+    start, follows an allocate and a release, and stays when the agent stops."""
+    import subprocess
+
+    from tests.daemon import DaemonProcess, nodeagent_argv, wait_until
+
+    pid = os.getpid()
+    api.crd = True
+    daemon = DaemonProcess(
+        tmp_path / "agent",
+        f'[isolation]\ncgroup_parent = "natestnrt{pid}.slice"\nnetns_prefix = "nr{pid}-"\n'
+        f'veth_prefix = "nrv"\nfirewall_table = "natestnrt{pid}"\n\n'
+        f'[kubernetes]\nnode_resource_topology = true\nkubeconfig = "{kubeconfig(tmp_path, api.port)}"\n'
+        f'node_name = "{NODE}"\n',
+    )
+    try:
+        client = daemon.start()
+        wait_until("the object", lambda: NODE in api.objects)
+        idle = cpu_available(api)
+        assert idle >= 1, f"no exclusive CPU to allocate on this host: {api.objects[NODE]}"
+        made = client.post(
+            "/v1/slots", json={"name": "nrt", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "64Mi"}}
+        )
+        assert made.status_code == 201, made.text
+        held = len(made.json()["assignment"]["cpus"])
+        wait_until("the allocate to be published", lambda: cpu_available(api) == idle - held)
+        assert client.delete(f"/v1/slots/{made.json()['id']}").status_code in (200, 204)
+        wait_until("the release to be published", lambda: cpu_available(api) == idle)
+        assert daemon.stop() == 0
+        assert NODE in api.objects  # a stopped agent leaves its object
+    finally:
+        daemon.stop()
+        daemon.stop_keeper()
+        uninstall = ["uninstall", "--config", str(daemon.config), "--state-dir", str(daemon.state)]
+        subprocess.run(
+            [*nodeagent_argv(), *uninstall],
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    from nodeagent.cgroups import detect
+
+    host = detect()
+    roots = {*host.v1_mounts.values(), *((host.v2_mount,) if host.v2_mount else ())}
+    assert not [r for r in roots if (r / f"natestnrt{pid}.slice").exists()], "the test's cgroups were left"
