@@ -330,6 +330,11 @@ class KubernetesNrtApi:
                 raise NrtNotServed(text) from err
             if status == 409:
                 raise NrtConflict(text) from err
+            if status in (401, 403):
+                text += (
+                    "; the agent's identity needs get, create and update on "
+                    f"{PLURAL}.{GROUP} and get on the CRD {CRD_NAME} (docs/kubernetes.md)"
+                )
             raise NrtApiError(text) from err
         except Exception as err:  # urllib3's connection, TLS and timeout errors: all mean "retry later"
             raise NrtApiError(f"{what}: the API server ({self._where}) did not answer: {err}") from err

@@ -475,6 +475,17 @@ def test_server_errors_are_problems_with_backoff(
     assert publisher.publish_once()[0] == FAST.resync_s  # the backoff starts over
 
 
+def test_a_refusal_says_what_the_identity_needs(
+    api: FakeApiServer, publisher_for: Callable[[int, Ledger], NrtPublisher]
+) -> None:
+    api.fail = 403
+    publisher = publisher_for(api.port, Ledger())
+    assert publisher.publish_once()[1]
+    [problem] = publisher.problems()
+    assert "403" in problem
+    assert "needs get, create and update on noderesourcetopologies.topology.node.k8s.io" in problem
+
+
 def test_a_missing_kubeconfig_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope")
     publisher = NrtPublisher(Ledger(), NODE, lambda: KubernetesNrtApi(missing), timing=FAST)
