@@ -424,10 +424,13 @@ def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins 
     )
     try:
         plugins.start()
-    except Exception:  # e.g. a directory it cannot write: the agent serves without the plugins
+    except Exception as err:  # e.g. a directory it cannot write: the agent serves without the plugins
         log.exception("device plugins did not start")
         plugins.close()
+        failed = (f"the device plugins did not start: {err}",)
+        manager.watch_integration("device_plugin", lambda: failed)
         return None
+    manager.watch_integration("device_plugin", plugins.problems)
     return plugins
 
 
@@ -441,11 +444,13 @@ def _nrt_publisher(config: AgentConfig, manager: SlotManager) -> NrtPublisher | 
     from nodeagent.agent.nrt import KubernetesNrtApi, NrtPublisher, client_installed  # noqa: PLC0415
 
     if not client_installed():
-        log.error(
+        missing = (
             "[kubernetes] node_resource_topology is on but the kubernetes Python client is not installed: "
             "nothing is published; install it with the agent (pip install 'nodeagent[kubernetes]') or "
             "set node_resource_topology = false"
         )
+        log.error(missing)
+        manager.watch_integration("node_resource_topology", lambda: (missing,))
         return None
     publisher = NrtPublisher(
         manager,
@@ -456,10 +461,13 @@ def _nrt_publisher(config: AgentConfig, manager: SlotManager) -> NrtPublisher | 
     try:
         publisher.start()
         manager.subscribe(publisher.notify_change)
-    except Exception:  # the agent serves without it
+    except Exception as err:  # the agent serves without it
         log.exception("NodeResourceTopology publisher did not start")
         publisher.close()
+        failed = (f"the publisher did not start: {err}",)
+        manager.watch_integration("node_resource_topology", lambda: failed)
         return None
+    manager.watch_integration("node_resource_topology", publisher.problems)
     log.info("NodeResourceTopology publisher started", extra={"node": publisher.node_name})
     return publisher
 

@@ -570,6 +570,10 @@ class FakeManager(Ledger):
     def __init__(self) -> None:
         super().__init__()
         self.subscribers: list[Callable[[], None]] = []
+        self.integrations: dict[str, Callable[[], tuple[str, ...]]] = {}
+
+    def watch_integration(self, name: str, problems: Callable[[], tuple[str, ...]]) -> None:
+        self.integrations[name] = problems
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         self.subscribers.append(callback)
@@ -589,6 +593,7 @@ def test_the_daemon_starts_it_only_when_asked(
     manager = FakeManager()
     assert daemon._nrt_publisher(AgentConfig(), manager) is None  # type: ignore[arg-type]
     assert manager.subscribers == []
+    assert manager.integrations == {}
 
     on = AgentConfig(
         kubernetes=KubernetesConfig(
@@ -599,6 +604,9 @@ def test_the_daemon_starts_it_only_when_asked(
     monkeypatch.setattr(nrt, "client_installed", lambda: False)
     assert daemon._nrt_publisher(on, manager) is None  # type: ignore[arg-type]
     assert "pip install 'nodeagent[kubernetes]'" in caplog.text
+    # ... and in the node's view, which `nodeagent doctor` shows.
+    [missing] = manager.integrations["node_resource_topology"]()
+    assert "kubernetes Python client is not installed" in missing
     monkeypatch.undo()
 
     api.crd = True
@@ -611,6 +619,8 @@ def test_the_daemon_starts_it_only_when_asked(
         wait_for(lambda: zones(api.objects[NODE])["node-1"]["cpu"][2] == "6")
         # Without [kubernetes] device_plugin the zones list only CPUs and memory.
         assert set(zones(api.objects[NODE])["node-1"]) == {"cpu", "memory"}
+        assert manager.integrations["node_resource_topology"] == publisher.problems
+        assert publisher.problems() == ()
     finally:
         publisher.close()
 
@@ -643,6 +653,8 @@ def test_a_running_agent_publishes_what_its_ledger_holds(tmp_path: Path, api: Fa
     try:
         client = daemon.start()
         wait_until("the object", lambda: NODE in api.objects)
+        node = client.get("/v1/node").json()
+        assert node["integrations"] == {"node_resource_topology": []}
         idle = cpu_available(api)
         assert idle >= 1, f"no exclusive CPU to allocate on this host: {api.objects[NODE]}"
         made = client.post(
