@@ -512,7 +512,7 @@ def test_the_thread_publishes_changes_and_survives_a_server_that_is_down(
     started = time.monotonic()
     publisher.start()
     publisher.notify_change()  # never blocks, whatever the server does
-    assert time.monotonic() - started < 2.0  # a loaded machine may be slow to start a thread, not to wait
+    assert time.monotonic() - started < 2.0  # no wait on the API server (generous for a loaded host)
     wait_for(lambda: bool(publisher.problems()))
     assert "did not answer" in publisher.problems()[0]
 
