@@ -128,6 +128,11 @@ class NodeModel(BaseModel):
         "this kernel offers: namespaces, seccomp filter, hidepid, mount_setattr), uid_range, allow_root, "
         "cgroup_view.",
     )
+    integrations: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Each Kubernetes integration that is on (`device_plugin`, `node_resource_topology`) "
+        "and what keeps it from working now (an empty list: it works).",
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import ipaddress
 import math
+import re
 import socket
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -226,6 +227,18 @@ class KubernetesConfig:
     device_plugin: bool = False
     #: where the kubelet's kubelet.sock is and the plugins' sockets go
     device_plugin_dir: str = "/var/lib/kubelet/device-plugins/"
+    #: publish this node's per-NUMA capacity as a NodeResourceTopology object (agent/nrt.py) while
+    #: that CRD is installed; needs the optional kubernetes client (nodeagent[kubernetes])
+    node_resource_topology: bool = False
+    #: how to reach the API server: "" is the pod's in-cluster service account, else a kubeconfig path
+    kubeconfig: str = ""
+    #: the Node's name, which names the object; "" is the host name, lowercased as the kubelet does
+    node_name: str = ""
+
+    @property
+    def resolved_node_name(self) -> str:
+        """The Node's name: ``node_name``, else the host name lowercased (the kubelet's default)."""
+        return self.node_name or socket.gethostname().lower()
 
 
 @dataclass(frozen=True)
@@ -475,6 +488,7 @@ def _validate(config: AgentConfig) -> None:
         value = getattr(getattr(config, key.split(".")[0]), key.split(".")[1])
         if value and not Path(value).is_absolute():
             raise ConfigError(f"{_where(src, key)} is {value!r}; expected an absolute path")
+    _check_kubernetes(config)
     try:
         config.placement_options()
         _check_placement(config)
@@ -497,6 +511,25 @@ def _validate(config: AgentConfig) -> None:
     except ConfigError as err:
         raise ConfigError(f"{src}: {err}" if src else str(err)) from None
     _check_qos(config)
+
+
+#: A Kubernetes object name (a DNS-1123 subdomain), which a Node's name is.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _check_kubernetes(config: AgentConfig) -> None:
+    k, src = config.kubernetes, config.source
+    if k.kubeconfig and not Path(k.kubeconfig).is_absolute():
+        raise ConfigError(
+            f"{_where(src, 'kubernetes.kubeconfig')} is {k.kubeconfig!r}; expected an absolute path to a "
+            'kubeconfig file, or "" for the service account of the pod the agent runs in'
+        )
+    if k.node_name and (len(k.node_name) > 253 or not _DNS_SUBDOMAIN.fullmatch(k.node_name)):
+        raise ConfigError(
+            f"{_where(src, 'kubernetes.node_name')} is {k.node_name!r}; expected the Node's name as "
+            "`kubectl get nodes` shows it (lowercase letters, digits, '-' and '.', at most 253), or \"\" "
+            "for this host's name"
+        )
 
 
 def _check_qos(config: AgentConfig) -> None:

@@ -1,12 +1,13 @@
 """``nodeagent serve``: the daemon's start-up, serving loop and shutdown.
 
 Order of start-up: configuration -> state directory (0700) and API token (0600) -> topology ->
-slot manager (reconcile) -> controller reporter -> REST API on uvicorn (TCP and/or a unix socket)
--> ``READY=1`` to systemd once the sockets listen, then ``WATCHDOG=1`` pings when systemd asked
-for them. SIGTERM/SIGINT stop the API, the reporter and supervision, but not the workers: they
-are the host keeper's children (runtime/keeper.py, which outlives the agent too), and the next
-start re-attaches to the keeper and re-adopts them (unless this is a stop, not a restart, and
-``[workers] on_agent_stop = "stop"``: agent/under_systemd.py).
+slot manager (reconcile) -> controller reporter, kubelet device plugins, NodeResourceTopology
+publisher -> REST API on uvicorn (TCP and/or a unix socket) -> ``READY=1`` to systemd once the
+sockets listen, then ``WATCHDOG=1`` pings when systemd asked for them. SIGTERM/SIGINT stop the
+API, the reporter and supervision, but not the workers: they are the host keeper's children
+(runtime/keeper.py, which outlives the agent too), and the next start re-attaches to the keeper
+and re-adopts them (unless this is a stop, not a restart, and ``[workers] on_agent_stop =
+"stop"``: agent/under_systemd.py).
 
 Logs go to the journal as structured entries when systemd connected stdout to it (agent/journal.py),
 else as JSON lines on stdout. Under systemd, cgroups go where a unit delegates them (agent/under_systemd.py).
@@ -69,6 +70,7 @@ from nodeagent.runtime.workers import KeeperRuntime
 if TYPE_CHECKING:
     from nodeagent.agent.deviceplugin import DevicePlugins
     from nodeagent.agent.metrics import Metrics
+    from nodeagent.agent.nrt import NrtPublisher
     from nodeagent.agent.qos_loop import QosLoop
     from nodeagent.agent.reporter import Reporter
     from nodeagent.isolation.api_guard import ApiGuard
@@ -426,11 +428,52 @@ def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins 
     )
     try:
         plugins.start()
-    except Exception:  # e.g. a directory it cannot write: the agent serves without the plugins
+    except Exception as err:  # e.g. a directory it cannot write: the agent serves without the plugins
         log.exception("device plugins did not start")
         plugins.close()
+        failed = (f"the device plugins did not start: {err}",)
+        manager.watch_integration("device_plugin", lambda: failed)
         return None
+    manager.watch_integration("device_plugin", plugins.problems)
     return plugins
+
+
+def _nrt_publisher(config: AgentConfig, manager: SlotManager) -> NrtPublisher | None:
+    """The NodeResourceTopology publisher ([kubernetes] node_resource_topology), started: it works
+    on its own thread, does nothing while the CRD is absent, and logs and retries every failure."""
+    k = config.kubernetes
+    if not k.node_resource_topology:
+        return None
+    # Only here: the module brings the kubernetes client, which an agent without the key never loads.
+    from nodeagent.agent.nrt import KubernetesNrtApi, NrtPublisher, client_installed  # noqa: PLC0415
+
+    if not client_installed():
+        missing = (
+            "[kubernetes] node_resource_topology is on but the kubernetes Python client is not installed: "
+            "nothing is published; install it with the agent (pip install 'nodeagent[kubernetes]') or "
+            "set node_resource_topology = false"
+        )
+        log.error(missing)
+        manager.watch_integration("node_resource_topology", lambda: (missing,))
+        return None
+    publisher = NrtPublisher(
+        manager,
+        k.resolved_node_name,
+        lambda: KubernetesNrtApi(k.kubeconfig),
+        devices=k.device_plugin,  # the device classes mean something to pods only with the plugin
+    )
+    try:
+        publisher.start()
+        manager.subscribe(publisher.notify_change)
+    except Exception as err:  # the agent serves without it
+        log.exception("NodeResourceTopology publisher did not start")
+        publisher.close()
+        failed = (f"the publisher did not start: {err}",)
+        manager.watch_integration("node_resource_topology", lambda: failed)
+        return None
+    manager.watch_integration("node_resource_topology", publisher.problems)
+    log.info("NodeResourceTopology publisher started", extra={"node": publisher.node_name})
+    return publisher
 
 
 def _reporter(
@@ -716,6 +759,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     qos = _qos_loop(config, manager, metrics)
     reporter = _reporter(config, manager, metrics, reporter_token)
     plugins = _device_plugins(config, manager)
+    nrt = _nrt_publisher(config, manager)
     watchdog = notify.Watchdog.from_environment()
     received: list[int] = []
     try:
@@ -762,6 +806,8 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
             reporter.stop()
         if plugins is not None:
             plugins.close()
+        if nrt is not None:
+            nrt.close()  # the object stays: the scheduler keeps the last numbers through a restart
         if pools is not None:
             pools.close()
         manager.close()

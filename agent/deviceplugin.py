@@ -72,7 +72,7 @@ def resource_name(suffix: str) -> str:
     return f"{RESOURCE_DOMAIN}/{suffix}"
 
 
-def _label(text: str) -> str:
+def resource_label(text: str) -> str:
     """A resource name's part after the domain: letters, digits, '-', '_' and '.' only."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._") or "x"
 
@@ -95,7 +95,7 @@ def resource_devices(
             # The instances are the unit; the whole GPU is not offered beside them.
             for inst in gpu.mig.instances:
                 ci = "" if inst.compute_instance_id is None else f"-{inst.compute_instance_id}"
-                out.setdefault(f"mig-{_label(inst.profile)}", []).append(
+                out.setdefault(f"mig-{resource_label(inst.profile)}", []).append(
                     PluginDevice(
                         id=inst.uuid or f"{gpu.index}-{inst.gpu_instance_id}{ci}",
                         numa=gpu.numa,
@@ -137,7 +137,7 @@ def resource_devices(
             )
         )
     for path in allowed_devices:
-        name = _label(Path(path).name)
+        name = resource_label(Path(path).name)
         out.setdefault(f"device-{name}", []).append(
             PluginDevice(id=name, numa=None, healthy=exists(path), nodes=(path,))
         )
@@ -230,7 +230,7 @@ class DevicePlugins:
             return {r.name: r.devices for r in self._resources.values()}
 
     def socket(self, resource: str) -> Path:
-        return self._dir / f"nodeagent-{_label(resource.removeprefix(RESOURCE_DOMAIN + '/'))}.sock"
+        return self._dir / f"nodeagent-{resource_label(resource.removeprefix(RESOURCE_DOMAIN + '/'))}.sock"
 
     def problems(self) -> tuple[str, ...]:
         """What keeps a resource from the kubelet now (empty when every one is registered)."""
@@ -465,5 +465,6 @@ __all__ = [
     "PluginDevice",
     "preferred",
     "resource_devices",
+    "resource_label",
     "resource_name",
 ]

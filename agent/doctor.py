@@ -669,12 +669,34 @@ def check_foreign_cpu(slots: Sequence[Mapping[str, Any]]) -> Check:
     return Check(name, "OK", detail)
 
 
+def check_kubernetes(node: Mapping[str, Any]) -> Check | None:
+    """The Kubernetes integrations the agent runs (``GET /v1/node``'s ``integrations``: the kubelet
+    device plugins, the NodeResourceTopology publisher); None when none is on."""
+    integrations = node.get("integrations")
+    if not isinstance(integrations, Mapping) or not integrations:
+        return None
+    names = ", ".join(sorted(integrations))
+    problems = [f"{name}: {p}" for name, found in sorted(integrations.items()) for p in found or ()]
+    if not problems:
+        return Check("kubernetes", "OK", f"{names}: working")
+    return Check(
+        "kubernetes",
+        "WARN",
+        "; ".join(problems),
+        "see the agent's log and docs/kubernetes.md; the agent serves slots regardless",
+    )
+
+
 def agent_checks(node: Mapping[str, Any], slots: Sequence[Mapping[str, Any]]) -> list[Check]:
     """The checks `nodeagent doctor` adds from a running agent's API (node and slot listing)."""
-    return [
+    checks = [
         _guarded("host partitioning", lambda: check_host_partitioning(node)),
         _guarded("foreign CPU time", lambda: check_foreign_cpu(slots)),
     ]
+    kubernetes = check_kubernetes(node)
+    if kubernetes is not None:
+        checks.append(kubernetes)
+    return checks
 
 
 def _meminfo_kib(text: str | None, key: str) -> int | None:

@@ -82,6 +82,7 @@ from nodeagent.isolation.isolator import Frozen
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
     Assignment,
+    Capacity,
     PlacementOptions,
     capacity,
     placement_index,
@@ -190,6 +191,8 @@ class SlotManager:
         self._worker_status: dict[str, WorkerStatus] = {}
         self._loop = SupervisionLoop(self._lock, self._record_status, self._notify, tick_seconds=tick_seconds)
         self._subscribers: list[Callable[[], None]] = []
+        #: Kubernetes integrations beside the manager (the daemon's): name -> their current problems
+        self._integrations: dict[str, Callable[[], tuple[str, ...]]] = {}
         self._ready = False
         self._host = host
         self._ledger = LedgerPart(host)
@@ -287,10 +290,29 @@ class SlotManager:
                 + tuple(filter(None, (self._store.short(),)))
             ),
             sandbox=None if self._sandbox is None else self._sandbox.to_json(),
+            integrations={n: list(self._integration_problems(n)) for n in sorted(self._integrations)},
         )
+
+    def watch_integration(self, name: str, problems: Callable[[], tuple[str, ...]]) -> None:
+        """Show an integration the daemon runs beside the manager (the kubelet device plugins, the
+        NodeResourceTopology publisher) in ``node()``, with what ``problems`` says keeps it from
+        working; ``nodeagent doctor`` reads it from there."""
+        self._integrations[name] = problems
+
+    def _integration_problems(self, name: str) -> tuple[str, ...]:
+        try:
+            return self._integrations[name]()
+        except Exception as err:  # noqa: BLE001 - the node's view must answer whatever the integration does
+            return (f"its status could not be read: {err!r}",)
 
     def topology(self) -> Topology:
         return self._topology
+
+    def capacity_report(self) -> Capacity:
+        """What the host has and what the ledger leaves, host-wide and per NUMA node, typed (the
+        NodeResourceTopology publisher reads it; ``capacity`` is the API's view with slot counts)."""
+        with self._lock:
+            return capacity(self._topology, self._ledger.held, self._options)
 
     def capacity(self) -> dict[str, Any]:
         with self._lock:

@@ -41,6 +41,9 @@ class NodeInfo:
     host_partitioning: dict[str, Any] | None = None
     #: The workers' sandbox: switched on, in force, what the host supports (agent.sandbox).
     sandbox: dict[str, Any] | None = None
+    #: Each Kubernetes integration that is on (device_plugin, node_resource_topology) -> what keeps
+    #: it from working now (empty: it works).
+    integrations: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class NodeInfo:
             "degraded": list(self.degraded),
             "host_partitioning": self.host_partitioning,
             "sandbox": self.sandbox,
+            "integrations": {name: list(problems) for name, problems in self.integrations.items()},
         }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.devices.topology import Topology
@@ -49,6 +49,9 @@ class Capacity:
     shared_pool: Mapping[str, int | float]
     #: QoS class -> {"slots", "cpus" (exclusive CPUs or shared-pool quota), "memory_bytes"}
     by_qos: Mapping[str, Mapping[str, int | float]]
+    #: NUMA node -> MIG profile -> instances of GPUs on that node (instances of GPUs without a
+    #: known node are in ``resources`` only). Typed callers only (agent/nrt.py): not in ``to_dict``.
+    mig_by_numa: Mapping[int, Mapping[str, ResourceCapacity]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,22 +101,31 @@ def capacity(topology: Topology, allocated: Allocated, options: PlacementOptions
         "best_effort_quota": allocated.quota_millis.get("best-effort", 0) / MILLI,
         "best_effort_capacity": pool_cpus * opts.best_effort_overcommit,
     }
-    mig_total: dict[str, int] = {}
-    mig_free: dict[str, int] = {}
+    # profile -> NUMA node (None: unknown) -> [instances, free instances]
+    mig: dict[str, dict[int | None, list[int]]] = {}
     for g in topology.gpus:
         if g.mig is None or not g.mig.enabled or g.healthy is False:
             continue
         for inst in g.mig.instances:
-            mig_total[inst.profile] = mig_total.get(inst.profile, 0) + 1
             held = (
                 mig_key(g.index, inst.uuid, inst.gpu_instance_id, inst.compute_instance_id) in allocated.mig
             )
-            mig_free[inst.profile] = mig_free.get(inst.profile, 0) + (not held)
-    for profile, total in sorted(mig_total.items()):
-        resources[f"mig/{profile}"] = ResourceCapacity(
-            total, 0, total, total - mig_free[profile], mig_free[profile]
-        )
-    return Capacity(resources=resources, by_numa=by_numa, shared_pool=shared_pool, by_qos=by_qos)
+            counts = mig.setdefault(inst.profile, {}).setdefault(g.numa, [0, 0])
+            counts[0] += 1
+            counts[1] += not held
+    mig_by_numa: dict[int, dict[str, ResourceCapacity]] = {}
+    for profile, nodes in sorted(mig.items()):
+        total = sum(c[0] for c in nodes.values())
+        free = sum(c[1] for c in nodes.values())
+        resources[f"mig/{profile}"] = ResourceCapacity(total, 0, total, total - free, free)
+        for numa, (count, node_free) in nodes.items():
+            if numa is not None:
+                mig_by_numa.setdefault(numa, {})[profile] = ResourceCapacity(
+                    count, 0, count, count - node_free, node_free
+                )
+    return Capacity(
+        resources=resources, by_numa=by_numa, shared_pool=shared_pool, by_qos=by_qos, mig_by_numa=mig_by_numa
+    )
 
 
 def _node_capacity(

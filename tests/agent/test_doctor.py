@@ -537,3 +537,23 @@ def test_container_workers(tmp_path: Path) -> None:
     found = by_name(run_checks(fake_host(tmp_path / "b", HYBRID, podman_probe=broken)))["container workers"]
     assert found.status == "WARN"
     assert "database is locked" in found.detail
+
+
+def test_the_kubernetes_integrations_the_agent_runs() -> None:
+    from nodeagent.agent.doctor import agent_checks, check_kubernetes
+
+    assert check_kubernetes({}) is None
+    assert check_kubernetes({"integrations": {}}) is None
+    assert len(agent_checks({"integrations": {}}, [])) == 2  # none on: no line for them
+    working = check_kubernetes({"integrations": {"device_plugin": [], "node_resource_topology": []}})
+    assert working is not None
+    assert (working.status, working.detail) == ("OK", "device_plugin, node_resource_topology: working")
+    failing = check_kubernetes(
+        {"integrations": {"device_plugin": [], "node_resource_topology": ["API server did not answer"]}}
+    )
+    assert failing is not None
+    assert failing.status == "WARN"
+    assert failing.detail == "node_resource_topology: API server did not answer"
+    assert agent_checks({"integrations": {"node_resource_topology": ["x"]}}, [])[-1] == failing.__class__(
+        "kubernetes", "WARN", "node_resource_topology: x", failing.hint
+    )
