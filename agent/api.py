@@ -39,8 +39,9 @@ Errors always have the body ``{"error": {"code": str, "message": str}}``. Status
 - 409 ``conflict`` (the name is taken by a different request) or ``does_not_fit`` (placement);
 - 413 ``body_too_large`` (over ``max_body_bytes``, 1 MiB by default);
 - 415 ``unsupported_media_type``: a body sent without ``Content-Type: application/json``;
-- 422 the body or a parameter was read but is not acceptable: wrong types, unknown fields, values
-  out of range, unknown devices (``invalid_request``), or a feature the host lacks (``unsupported``);
+- 422 the body or a parameter was read but is not acceptable: wrong types, unknown fields or query
+  parameters, values out of range, unknown devices (``invalid_request``), or a feature the host
+  lacks (``unsupported``);
 - 500 the kernel or a worker refused (``kernel_error``, ``cgroup_error``, ``worker_error``, ...);
 - 507 ``insufficient_storage``: the state directory's filesystem is full; nothing was changed (or a
   retry of the same call finishes what was begun), the message names the directory;
@@ -63,9 +64,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Annotated, Any, cast
 
-from fastapi import Body, FastAPI, Path, Query, Request
+from fastapi import Body, Depends, FastAPI, Path, Query, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Discriminator, Tag
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -183,6 +186,39 @@ SlotId = Annotated[
 ]
 
 
+#: Each route's query parameters by name, found once per route.
+_QUERY_NAMES: dict[int, frozenset[str]] = {}
+
+
+def _query_names(dependant: Dependant) -> frozenset[str]:
+    """The query parameters an operation takes, its dependencies' included."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return frozenset(names)
+
+
+def _refuse_unknown_query(request: Request) -> None:
+    """A query parameter the operation does not take is refused (422), not ignored: a misspelt
+    ``?standy=true`` would otherwise answer as if it had not been asked."""
+    if not request.query_params:
+        return
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    known = _QUERY_NAMES.get(id(route))
+    if known is None:
+        known = _query_names(route.dependant)
+        _QUERY_NAMES[id(route)] = known
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) if known else "no query parameters"
+        raise InvalidRequest(
+            f"{request.method} {route.path}: unknown query parameter{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(u) for u in unknown)}; it takes {takes}"
+        )
+
+
 def create_app(
     service: SlotService,
     *,
@@ -204,6 +240,7 @@ def create_app(
         summary="Per-host agent: isolated slots of CPUs, NUMA memory and accelerators for inference workers.",
         docs_url=None,
         redoc_url=None,
+        dependencies=[Depends(_refuse_unknown_query)],
     )
     _add_routes(app, service, metrics, nri, pools)
     _add_nri_routes(app, service, nri)

@@ -576,3 +576,13 @@ def test_a_slots_cdi_spec_is_served_as_the_service_gives_it(client: AppClient) -
     assert spec.json()["kind"] == "nodeagent.io/slot"
     assert spec.json()["devices"][0]["name"] == "llm-a"
     assert error_of(client.get("/v1/slots/nope/cdi"))[:2] == (404, "not_found")
+
+
+def test_an_unknown_query_parameter_is_refused_with_what_the_operation_takes(client: AppClient) -> None:
+    # A misspelt ?standy=true must not answer as if nothing had been asked.
+    status, code, message = error_of(client.get("/v1/slots", params={"standy": "true"}))
+    assert (status, code) == (422, "invalid_request")
+    assert "'standy'" in message and "standby" in message
+    status, _, message = error_of(client.get("/v1/capacity", params={"numa": "0"}))
+    assert status == 422 and "takes no query parameters" in message
+    assert client.get("/v1/slots").status_code == 200
