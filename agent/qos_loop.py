@@ -39,6 +39,7 @@ from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import NodeAgentError, PlacementError
 from nodeagent.isolation.colocation import (
     ACTION_KINDS,
+    SLOT_DETAIL_EVERY,
     Action,
     Batch,
     ColocationConfig,
@@ -46,6 +47,7 @@ from nodeagent.isolation.colocation import (
     LoopState,
     Measured,
     decide,
+    needs_slot_detail,
 )
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.runtime.supervisor import ALIVE_PHASES
@@ -165,7 +167,16 @@ class QosLoop:
         refreshed = self._dirty or self._clock() - self._refreshed_at >= REFRESH_SECONDS
         infos = self._slot_infos()
         now = self._clock()
-        sample = self.sampler.sample(infos, now)
+        priorities = len({i.priority for i in infos if i.qos == "best-effort"})
+        detail_due = self.periods % SLOT_DETAIL_EVERY == 0
+        state = self._state
+        sample = self.sampler.sample(
+            infos,
+            now,
+            read_slots=lambda partial: (
+                detail_due or needs_slot_detail(self.config, state, partial, priorities=priorities)
+            ),
+        )
         decision = decide(self.config, self._state, sample)
         self._state = decision.state
         best_effort = [i.slot_id for i in infos if i.qos == "best-effort"]

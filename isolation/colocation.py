@@ -76,6 +76,35 @@ THROTTLE_FLOOR_BYTES = 16 << 20
 # --------------------------------------------------------------------------- the decision
 
 
+#: A period reads every best-effort slot's cgroup at least this often (the batch figures, and a
+#: slot's usage for the next decision that needs it), and whenever :func:`needs_slot_detail` says so.
+SLOT_DETAIL_EVERY = 10
+#: Node memory this many points below where throttling would be let go already reads every slot.
+SLOT_DETAIL_MARGIN_POINTS = 5.0
+
+
+def needs_slot_detail(config: ColocationConfig, state: LoopState, sample: Sample, *, priorities: int) -> bool:
+    """Whether this period's decision may need each best-effort slot's own usage: memory near the
+    throttle line or online memory pressure (throttling and eviction pick slots by their size),
+    slots throttled, evicted or under per-priority quotas (their release, restore and quotas),
+    or ``priorities`` levels among best-effort slots of two or more (the quotas follow each
+    slot's CPU use). Otherwise the class totals decide it all: at 500 idle best-effort slots,
+    reading two files of each every period was most of the agent's idle CPU (issue 23).
+
+    ``sample`` is the period's sample before the slots are read (node and class figures)."""
+    if state.throttled or state.evicted or state.slot_quota or priorities >= 2:
+        return True
+    line = config.memory_throttle_percent - MEMORY_HYSTERESIS_POINTS - SLOT_DETAIL_MARGIN_POINTS
+    if _used_percent(sample) >= line:
+        return True
+    previous = state.previous
+    dt = 0.0 if previous is None else sample.time - previous.time
+    if previous is None or dt <= 0:
+        return True
+    pressure = _online_pressure(previous, sample, dt * 1e6).get("memory")
+    return pressure is not None and pressure >= config.memory_pressure_threshold / 2
+
+
 def decide(config: ColocationConfig, state: LoopState, sample: Sample) -> Decision:
     """The loop's next state and actions for ``sample`` (see the module docstring)."""
     previous = state.previous
@@ -519,7 +548,10 @@ def _batch(config: ColocationConfig, state: LoopState, sample: Sample, rates: _R
     cpu_peak = max(p.online_cpu for p in window)
     memory_peak = max(p.online_memory for p in window)
     online_memory = window[-1].online_memory
-    best_effort_memory = sum(s.usage.memory_bytes or 0 for s in sample.best_effort)
+    if sample.slots_read or sample.best_effort_memory_bytes is None:
+        best_effort_memory = sum(s.usage.memory_bytes or 0 for s in sample.best_effort)
+    else:
+        best_effort_memory = sample.best_effort_memory_bytes
     margin = sample.memory_total * (1 - config.memory_throttle_percent / 100)
     memory = sample.memory_available + best_effort_memory - margin - max(0, memory_peak - online_memory)
     return Batch(
@@ -545,6 +577,7 @@ def actions_by_slot(actions: Iterable[Action], best_effort: Iterable[str]) -> di
 
 __all__ = [
     "ACTION_KINDS",
+    "SLOT_DETAIL_EVERY",
     "Action",
     "ActionKind",
     "Batch",
@@ -561,4 +594,5 @@ __all__ = [
     "actions_by_slot",
     "choose_cpus",
     "decide",
+    "needs_slot_detail",
 ]

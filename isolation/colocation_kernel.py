@@ -28,8 +28,8 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nodeagent.cgroups import CgroupHost, Hierarchy, open_manager
@@ -129,13 +129,18 @@ class Sampler:
         self._dirs: dict[str, cgroupfs.CgroupDir] = {}
         self._last_dirs: dict[str, cgroupfs.CgroupDir] = {}
 
-    def sample(self, slots: Sequence[SlotInfo], now: float) -> Sample:
+    def sample(
+        self, slots: Sequence[SlotInfo], now: float, *, read_slots: Callable[[Sample], bool] | bool = True
+    ) -> Sample:
+        """The node, the online groups and the best-effort class, then each best-effort slot's
+        cgroup when ``read_slots`` is true or says so of the sample read so far."""
         # Checked paths of the cgroups read last period; what this period does not read again
         # (released slots) is dropped with the old dictionaries.
         self._last_files, self._files = self._files, {}
         self._last_dirs, self._dirs = self._dirs, {}
         pool = self._pool()
-        return Sample(
+        best_effort_class = self.group(self.hierarchy.class_parent("best-effort"))
+        base = Sample(
             time=now,
             pool=pool,
             core_of=self.core_of,
@@ -145,8 +150,20 @@ class Sampler:
             memory_available=memory[1],
             node_stall=self._node_stall(),
             online=self._online(slots),
-            best_effort_cpu_ns=self.group(self.hierarchy.class_parent("best-effort"), memory=False).cpu_ns,
-            best_effort=tuple(self._best_effort(s) for s in slots if s.qos == "best-effort"),
+            best_effort_cpu_ns=best_effort_class.cpu_ns,
+            best_effort=tuple(self._best_effort(s, read=False) for s in slots if s.qos == "best-effort"),
+            best_effort_memory_bytes=best_effort_class.memory_bytes,
+            slots_read=False,
+        )
+        if not (read_slots if isinstance(read_slots, bool) else read_slots(base)):
+            # The slots' checked paths stay for the next period that reads them.
+            self._files = self._last_files | self._files
+            self._dirs = self._last_dirs | self._dirs
+            return base
+        return replace(
+            base,
+            best_effort=tuple(self._best_effort(s, read=True) for s in slots if s.qos == "best-effort"),
+            slots_read=True,
         )
 
     def group(
@@ -199,12 +216,12 @@ class Sampler:
                 online[slot.slot_id] = self.group(relpath, cpu=False, pressure=self._v2)
         return online
 
-    def _best_effort(self, slot: SlotInfo) -> BestEffortSlot:
+    def _best_effort(self, slot: SlotInfo, *, read: bool) -> BestEffortSlot:
         return BestEffortSlot(
             slot_id=slot.slot_id,
             priority=slot.priority,
             started_at=slot.started_at,
-            usage=self.group(self.hierarchy.slot_path(slot.slot_id, "best-effort")),
+            usage=self.group(self.hierarchy.slot_path(slot.slot_id, "best-effort")) if read else GroupUsage(),
             memory_high=slot.memory_high,
             running=slot.running,
             evicted=slot.evicted,

@@ -125,7 +125,10 @@ class Sample:
     of each CPU (pool and exclusive ones); hyperthread siblings share a core. ``cpu_busy_ns``:
     cumulative non-idle time per CPU (``/proc/stat``, steal included: CPU the host took is not idle
     for us). ``online``: the online groups (the burstable class, each guaranteed slot).
-    ``best_effort_cpu_ns``: the best-effort class's cumulative CPU time.
+    ``best_effort_cpu_ns``: the best-effort class's cumulative CPU time; ``best_effort_memory_bytes``
+    its memory now. ``slots_read``: whether each best-effort slot's cgroup was read this period
+    (:func:`~nodeagent.isolation.colocation.needs_slot_detail`); when not, ``best_effort`` still
+    lists every slot, with an empty ``usage``.
     """
 
     time: float
@@ -139,6 +142,8 @@ class Sample:
     online: Mapping[str, GroupUsage]
     best_effort_cpu_ns: int | None
     best_effort: tuple[BestEffortSlot, ...] = ()
+    best_effort_memory_bytes: int | None = None
+    slots_read: bool = True
 
 
 # --------------------------------------------------------------------------- decisions (out)

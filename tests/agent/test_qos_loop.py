@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from nodeagent.agent.qos_loop import RECENT_ACTIONS, QosLoop
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.errors import CgroupError, NotFound, PlacementError
-from nodeagent.isolation.colocation import Action, ColocationConfig, Sample
+from nodeagent.isolation.colocation import Action, ColocationConfig, GroupUsage, Sample
 from nodeagent.isolation.colocation_kernel import SlotInfo
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import parse_slot_request
@@ -89,14 +89,18 @@ class ScriptedSampler:
     series: Series
     period: Period | None = None
     seen: list[Sequence[SlotInfo]] = field(default_factory=list)
+    slots_read: list[bool] = field(default_factory=list)
 
-    def sample(self, slots: Sequence[SlotInfo], now: float) -> Sample:
-        """The series' next sample, with what the agent told the sampler (as the real one does)."""
+    def sample(
+        self, slots: Sequence[SlotInfo], now: float, *, read_slots: Callable[[Sample], bool] | bool = True
+    ) -> Sample:
+        """The series' next sample, with what the agent told the sampler (as the real one does);
+        without ``read_slots``, the slots' own usage is left out as the real one leaves it."""
         self.seen.append(list(slots))
         period, self.period = self.period, None
         sample = self.series.sample(period)
         infos = {i.slot_id: i for i in slots}
-        return replace(
+        sample = replace(
             sample,
             best_effort=tuple(
                 replace(s, running=infos[s.slot_id].running, evicted=infos[s.slot_id].evicted)
@@ -104,7 +108,16 @@ class ScriptedSampler:
                 else s
                 for s in sample.best_effort
             ),
+            best_effort_memory_bytes=sum(s.usage.memory_bytes or 0 for s in sample.best_effort),
         )
+        partial = replace(
+            sample,
+            best_effort=tuple(replace(s, usage=GroupUsage()) for s in sample.best_effort),
+            slots_read=False,
+        )
+        read = read_slots if isinstance(read_slots, bool) else read_slots(partial)
+        self.slots_read.append(read)
+        return sample if read else partial
 
 
 class RecordingActuator:
@@ -349,3 +362,22 @@ def test_slot_list_is_read_again_on_change_notices_only() -> None:
     clock.now += 10.0  # and at least every REFRESH_SECONDS
     step(loop, sampler, clock)
     assert calls == [1, 1]
+
+
+def test_calm_periods_read_the_slots_only_every_tenth_period_and_when_memory_nears_the_line() -> None:
+    from nodeagent.isolation.colocation import SLOT_DETAIL_EVERY, BestEffortSlot
+
+    slots = [slot("e1", "best-effort"), slot("e2", "best-effort")]
+    series = Series(best_effort=(BestEffortSlot("e1"), BestEffortSlot("e2")))
+    loop, _, sampler, _, clock = make_loop(slots, series)
+    for _ in range(2 * SLOT_DETAIL_EVERY):
+        step(loop, sampler, clock, load(0.2, 0.3))
+    # The first period (nothing to rate against) and then every SLOT_DETAIL_EVERY-th.
+    read = [n for n, was_read in enumerate(sampler.slots_read) if was_read]
+    assert read == [0, SLOT_DETAIL_EVERY]
+    # Node memory near the throttle line: every period reads each slot, and the throttle that
+    # follows is decided from their sizes.
+    step(loop, sampler, clock, Period(memory_used=13 * GiB))
+    step(loop, sampler, clock, Period(memory_used=13 * GiB))
+    assert sampler.slots_read[-2:] == [True, True]
+    assert "memory_throttle" in [a["action"] for a in loop.slot_view("e1")[0]]

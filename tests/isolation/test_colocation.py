@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -12,10 +13,12 @@ from nodeagent.isolation.colocation import (
     BestEffortSlot,
     ColocationConfig,
     CpuLimit,
+    GroupUsage,
     LoopState,
     actions_by_slot,
     choose_cpus,
     decide,
+    needs_slot_detail,
 )
 from tests.isolation.colocation_series import GiB, MiB, Period, Series, load, recorded, run
 
@@ -471,3 +474,70 @@ def test_recorded_series_from_a_loaded_host() -> None:
         )
     # Steady load, no flapping: a handful of CPU actions over the whole series.
     assert sum(len(d.actions) for d in decisions) <= 8
+
+
+# --------------------------------------------------------------------------- when slots are read
+
+
+def _calm() -> tuple[Series, LoopState]:
+    """Two best-effort slots of one priority, node memory at 25 %, one period already decided."""
+    series = Series(best_effort=(BestEffortSlot("a"), BestEffortSlot("b")))
+    state = decide(CONFIG, LoopState(), series.sample()).state
+    return series, state
+
+
+def test_a_calm_period_is_decided_from_the_class_totals() -> None:
+    series, state = _calm()
+    assert not needs_slot_detail(CONFIG, state, series.sample(load(0.2, 0.3)), priorities=1)
+
+
+def test_the_first_period_and_a_gap_read_every_slot() -> None:
+    series = Series(best_effort=(BestEffortSlot("a"),))
+    assert needs_slot_detail(CONFIG, LoopState(), series.sample(), priorities=1)
+
+
+@pytest.mark.parametrize(
+    ("used_gib", "wanted"),
+    [(11.0, False), (11.3, True), (13.0, True)],  # 16 GiB: the line is 80 - 5 - 5 = 70 % (11.2 GiB)
+    ids=["below-the-line", "near-the-throttle", "throttling"],
+)
+def test_memory_near_the_throttle_line_reads_every_slot(used_gib: float, wanted: bool) -> None:
+    series, state = _calm()
+    sample = series.sample(Period(memory_used=int(used_gib * GiB)))
+    assert needs_slot_detail(CONFIG, state, sample, priorities=1) is wanted
+
+
+def test_online_memory_pressure_reads_every_slot() -> None:
+    series, state = _calm()
+    sample = series.sample(Period(online_stall={"memory": CONFIG.memory_pressure_threshold / 2}))
+    assert needs_slot_detail(CONFIG, state, sample, priorities=1)
+
+
+def test_slots_the_loop_holds_or_two_priorities_read_every_slot() -> None:
+    series, state = _calm()
+    sample = series.sample(load(0.2, 0.3))
+    assert needs_slot_detail(CONFIG, state, sample, priorities=2)
+    for held in (
+        {"throttled": {"a": 64 * MiB}},
+        {"slot_quota": {"a": 0.5}},
+    ):
+        assert needs_slot_detail(CONFIG, replace(state, **held), sample, priorities=1), held
+
+
+def test_a_period_without_the_slots_decides_the_same_cpu_limit_and_batch_memory() -> None:
+    # What the class totals decide alone must be what the full read decides when nothing
+    # per slot is called for: the same actions, and the batch's best-effort memory from the class.
+    series, state = _calm()
+    full = series.sample(load(1.2, 0.3))
+    total = sum(s.usage.memory_bytes or 0 for s in full.best_effort)
+    partial = replace(
+        full,
+        best_effort=tuple(replace(s, usage=GroupUsage()) for s in full.best_effort),
+        best_effort_memory_bytes=total,
+        slots_read=False,
+    )
+    a, b = decide(CONFIG, state, full), decide(CONFIG, state, partial)
+    assert a.actions == b.actions
+    assert a.batch is not None
+    assert b.batch is not None
+    assert a.batch.best_effort_memory == b.batch.best_effort_memory == total
