@@ -131,6 +131,21 @@ def test_sampler_on_cgroup_v2(tmp_path: Path) -> None:
     assert slot.started_at == 12.5
     assert slot.memory_high == 64 << 20
     assert slot.usage == GroupUsage(6_000_000, 2 << 20, None)
+    assert sample.slots_read
+    assert sample.best_effort_memory_bytes == 3 << 20
+
+    # A period whose decision needs no slot's own usage: the class totals, every slot listed with
+    # an empty usage, and the slot's files not read (one changed in between shows nothing).
+    (mount / PARENT / "best-effort" / "e1" / "memory.current").write_text("not a number\n")
+    asked: list[bool] = []
+    calm = sampler.sample(
+        SLOTS, now=43.0, read_slots=lambda partial: asked.append(partial.slots_read) or False
+    )
+    assert asked == [False]
+    assert not calm.slots_read
+    assert [(s.slot_id, s.usage) for s in calm.best_effort] == [("e1", GroupUsage())]
+    assert calm.best_effort_cpu_ns == 7_000_000
+    assert calm.best_effort_memory_bytes == 3 << 20
 
 
 def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
