@@ -85,7 +85,7 @@ def pod_config(work: Path, uid: str) -> dict[str, Any]:
         # A Guaranteed pod's cgroup parent as the kubelet (cgroupfs driver) names it: directly under
         # kubepods, inside kube/cluster's own subtree (stop removes it).
         "linux": {
-            "cgroup_parent": f"/nodeagent-kube/kubepods/pod{uid}",
+            "cgroup_parent": f"/{os.environ.get('KUBE_CGROUP_ROOT', 'nodeagent-kube')}/kubepods/pod{uid}",
             "security_context": {"namespace_options": {"network": 2}},  # the host's network: no CNI
         },
         "log_directory": str(logs),
