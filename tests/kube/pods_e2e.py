@@ -397,11 +397,17 @@ def step3_device(r: Run) -> str:
     assert stat.S_ISBLK(there.st_mode), f"{dev} in the container is no block device ({there})"
     assert there.st_rdev == host.st_rdev, f"{dev} in the container is not the host's ({there})"
 
+    last: list[str] = []
+
     def logged() -> str | None:
         done = r.kube.run("logs", "device", "-n", "default", check=False)
+        last[:] = [done.stderr.strip()]
         return done.stdout if done.returncode == 0 and "device-" in done.stdout else None
 
-    out = wait_for("the device pod's log", logged, timeout=30, every=1.0)
+    try:
+        out = wait_for("the device pod's log", logged, timeout=30, every=1.0)
+    except AssertionError as err:
+        raise AssertionError(f"{err}: kubectl logs said {last}") from None
     assert "device-present" in out, f"the container does not see {dev}: {out!r}"
     slot = r.slot_of(ctr)
     say(
