@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -315,7 +316,6 @@ def step1_classes(r: Run) -> dict[str, str]:
     a = g["assignment"]
     assert g["qos"] == "guaranteed", f"the Guaranteed pod's slot is {g['qos']}, not guaranteed: {g}"
     assert a["exclusive"], f"the Guaranteed pod's slot has no exclusive CPU: {a}"
-    assert len(a["cpus"]) == 1, f"the Guaranteed pod's slot has not one CPU: {a}"
     pid = r.pid(ids["guaranteed"])
     cpuset = cgroup_file(pid, "cpuset", "cpuset.cpus")
     memory = cgroup_file(pid, "memory", "memory.limit_in_bytes")
@@ -345,16 +345,26 @@ def step2_one_ledger(r: Run, ids: dict[str, str]) -> None:
     say("Burstable and BestEffort pods deleted: their slots released")
 
     pod_cpus = r.slot_of(ids["guaranteed"])["assignment"]["cpus"]
-    body = {"name": "pods-e2e-rest", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "32Mi"}}
+    # A REST slot takes every CPU the agent has left (on the 2-CPU host: the other one).
+    free = int(r.api.get("/v1/capacity").json()["resources"]["cpus"]["free"])
+    assert free >= 1, f"the agent has no CPU left beside the Guaranteed pod ({free})"
+    body = {
+        "name": "pods-e2e-rest",
+        "qos": "guaranteed",
+        "resources": {"cpus": free, "memory": "32Mi", "numa": "none"},
+    }
     rest = r.api.post("/v1/slots", json=body)
-    assert rest.status_code == 201, f"a REST guaranteed slot beside the pod did not fit: {rest.text}"
+    assert rest.status_code == 201, (
+        f"a REST guaranteed slot of {free} CPU(s) beside the pod did not fit: {rest.text}"
+    )
     theirs = rest.json()["assignment"]["cpus"]
     assert not set(theirs) & set(pod_cpus), (
         f"the REST slot got CPU(s) {theirs}, the pod's slot holds {pod_cpus}"
     )
+    r.exclusive_disjoint()
     say(f"a REST guaranteed slot got CPU(s) {theirs}, not the pod's {pod_cpus}")
 
-    # The kubelet counts one CPU free (it does not see the REST slot) and admits the pod; the agent
+    # The kubelet counts CPUs free (it does not see the REST slot) and admits the pod; the agent
     # has no whole CPU left and refuses its container: CreateContainer fails with the agent's reason.
     r.kube.create(pod_spec("toobig", GUARANTEED))
 
@@ -501,11 +511,16 @@ def step5_leave_nothing(r: Run, pods: dict[str, str], baseline: dict[str, set[st
     ids = r.running(*(p["metadata"]["name"] for p in churn), timeout=240)
     ran = time.monotonic() - started
     classes = sorted(r.slot_of(c)["qos"] for c in ids.values())
+    held = {
+        "cgroups": len(r.agent_cgroups() - baseline["cgroups"]),
+        "cdi": len(r.cdi_specs() - baseline["cdi"]),
+    }
     assert classes == ["best-effort"] * (CHURN // 2) + ["burstable"] * (CHURN - CHURN // 2), classes
     r.exclusive_disjoint()
     say(
         f"{CHURN} pods running in {ran:.1f}s, {len(ids)} slots "
-        f"({CHURN // 2} burstable, {CHURN // 2} best-effort)"
+        f"({CHURN // 2} burstable, {CHURN // 2} best-effort), {held['cgroups']} cgroups under the agent's "
+        f"parent and {held['cdi']} CDI specs beyond those before"
     )
     started = time.monotonic()
     r.kube.delete(selector="app=pods-e2e-churn")
@@ -593,16 +608,26 @@ def main(argv: list[str] | None = None) -> int:
         f'[kubernetes]\nnri = true\ndevice_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n',
     )
     r = Run(args, daemon)
+    # A SIGTERM (a CI timeout) ends the run through ``finally``: the agent, its keeper and the shim
+    # must not outlive it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     status = 1
     started = time.monotonic()
     try:
         run(r)
         status = 0
-    except AssertionError as err:
-        say(f"FAIL: {err}")
+    except (
+        AssertionError,
+        OSError,
+        KeyError,
+        ValueError,
+        subprocess.SubprocessError,
+        httpx.HTTPError,
+    ) as err:
+        say(f"FAIL: {err}" if isinstance(err, AssertionError) else f"FAIL: {type(err).__name__}: {err}")
         diagnose(r)
     finally:
-        clean_up(args, daemon, r.cri)
+        clean_up(args, daemon, r.cri, tell=say)
         keep = os.environ.get("KUBE_KEEP_LOGS")
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
