@@ -390,10 +390,14 @@ def step2_one_ledger(r: Run, ids: dict[str, str]) -> None:
     say("toobig deleted, REST slot released")
 
 
-DEVICE_SCRIPT = "if [ -b {dev} ]; then echo device-present; else echo device-missing; fi; " + SLEEPER
+#: The container reads the device (the devices cgroup lets it), and says so in its log.
+DEVICE_SCRIPT = (
+    "if [ -b {dev} ] && cat {dev} >/dev/null; then echo device-readable; else echo device-missing; fi; "
+    + SLEEPER
+)
 
 
-def step3_device(r: Run) -> str:
+def step3_device(r: Run, guaranteed: str) -> str:
     """A pod asking for the stand-in device: allocatable, admitted, the node in its container."""
     dev = r.args.device
     wait_for(f"the node to show {r.resource}: 1 allocatable", r.device_allocatable, timeout=60)
@@ -418,7 +422,9 @@ def step3_device(r: Run) -> str:
         out = wait_for("the device pod's log", logged, timeout=30, every=1.0)
     except AssertionError as err:
         raise AssertionError(f"{err}: kubectl logs said {last}") from None
-    assert "device-present" in out, f"the container does not see {dev}: {out!r}"
+    assert "device-readable" in out, f"the container cannot read {dev}: {out!r}"
+    others = Path(f"/proc/{r.pid(guaranteed)}/root{dev}")
+    assert not others.exists(), f"the Guaranteed pod, which asked for no device, has {dev} too"
     slot = r.slot_of(ctr)
     say(
         f"device pod runs with {dev} (block {os.major(host.st_rdev)}:{os.minor(host.st_rdev)}), "
@@ -544,6 +550,12 @@ def step5_leave_nothing(r: Run, pods: dict[str, str], baseline: dict[str, set[st
 
 def run(r: Run) -> None:
     with step("agent and shim"):
+        # Pods created before the kubelet has its node synced may be refused at admission.
+        wait_for(
+            f"node {NODE} to report its allocatable CPUs",
+            lambda: r.kube.allocatable("cpu") != "0",
+            timeout=60,
+        )
         r.client = r.daemon.start(timeout=120)
         start_shim(r.args, r.daemon, r.shim_log)
         baseline = {"cgroups": r.agent_cgroups(), "cdi": r.cdi_specs()}
@@ -553,7 +565,7 @@ def run(r: Run) -> None:
     with step("2. one ledger: pod deletes, a REST slot, a refused pod"):
         step2_one_ledger(r, ids)
     with step("3. a device pod"):
-        dev = step3_device(r)
+        dev = step3_device(r, ids["guaranteed"])
     pods = {"guaranteed": ids["guaranteed"], "device": dev}
     with step("4. kubelet, containerd and agent restarts"):
         step4_restarts(r, pods)
