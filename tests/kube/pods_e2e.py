@@ -294,6 +294,42 @@ class Run:
         dirs = [self.daemon.config.parent / "cdi-specs", self.work / "cdi"]
         return {str(p) for d in dirs if d.is_dir() for p in d.iterdir()}
 
+    def rest_slot_beside(self, pod_cpus: list[int], name: str = "pods-e2e-rest") -> list[int]:
+        """A REST guaranteed slot of every CPU the agent has left (on the 2-CPU host: the one the
+        pod does not hold); its CPUs, checked disjoint from the pod's. The caller releases it."""
+        free = int(self.api.get("/v1/capacity").json()["resources"]["cpus"]["free"])
+        assert free >= 1, f"the agent has no CPU left beside the Guaranteed pod's {pod_cpus} ({free})"
+        body = {
+            "name": name,
+            "qos": "guaranteed",
+            "resources": {"cpus": free, "memory": "32Mi", "numa": "none"},
+        }
+        rest = self.api.post("/v1/slots", json=body)
+        assert rest.status_code == 201, (
+            f"a REST guaranteed slot of {free} CPU(s) beside the pod did not fit: {rest.text}"
+        )
+        theirs: list[int] = rest.json()["assignment"]["cpus"]
+        assert not set(theirs) & set(pod_cpus), (
+            f"the REST slot got CPU(s) {theirs}, the pod's slot holds {pod_cpus}"
+        )
+        self.exclusive_disjoint()
+        return theirs
+
+    def ledger_probe(self, pods_cpus: list[int]) -> str:
+        """The ledger still counts the pods' CPUs: a REST slot of all that is left gets other CPUs,
+        and with none left (the 2-CPU host) a REST slot of one is refused."""
+        free = int(self.api.get("/v1/capacity").json()["resources"]["cpus"]["free"])
+        if free:
+            theirs = self.rest_slot_beside(pods_cpus, "pods-e2e-probe")
+            answer = self.api.delete("/v1/slots/pods-e2e-probe")
+            assert answer.status_code == 204, answer.text
+            return f"a REST slot got CPU(s) {theirs}"
+        body = {"name": "pods-e2e-probe", "qos": "guaranteed", "resources": {"cpus": 1, "memory": "32Mi"}}
+        answer = self.api.post("/v1/slots", json=body)
+        assert answer.status_code == 409, f"a REST slot got a CPU while pods hold {pods_cpus}: {answer.text}"
+        assert answer.json()["error"]["code"] == "does_not_fit", answer.text
+        return "a REST slot of 1 CPU refused (does_not_fit)"
+
     def plugin_registrations(self) -> int:
         """How often the agent's log says a device plugin registered with the kubelet."""
         return tail(self.daemon.log_path, 10**9).count("device plugin registered")
@@ -345,23 +381,7 @@ def step2_one_ledger(r: Run, ids: dict[str, str]) -> None:
     say("Burstable and BestEffort pods deleted: their slots released")
 
     pod_cpus = r.slot_of(ids["guaranteed"])["assignment"]["cpus"]
-    # A REST slot takes every CPU the agent has left (on the 2-CPU host: the other one).
-    free = int(r.api.get("/v1/capacity").json()["resources"]["cpus"]["free"])
-    assert free >= 1, f"the agent has no CPU left beside the Guaranteed pod ({free})"
-    body = {
-        "name": "pods-e2e-rest",
-        "qos": "guaranteed",
-        "resources": {"cpus": free, "memory": "32Mi", "numa": "none"},
-    }
-    rest = r.api.post("/v1/slots", json=body)
-    assert rest.status_code == 201, (
-        f"a REST guaranteed slot of {free} CPU(s) beside the pod did not fit: {rest.text}"
-    )
-    theirs = rest.json()["assignment"]["cpus"]
-    assert not set(theirs) & set(pod_cpus), (
-        f"the REST slot got CPU(s) {theirs}, the pod's slot holds {pod_cpus}"
-    )
-    r.exclusive_disjoint()
+    theirs = r.rest_slot_beside(pod_cpus)
     say(f"a REST guaranteed slot got CPU(s) {theirs}, not the pod's {pod_cpus}")
 
     # The kubelet counts CPUs free (it does not see the REST slot) and admits the pod; the agent
@@ -398,11 +418,12 @@ DEVICE_SCRIPT = (
 
 
 def step3_device(r: Run, guaranteed: str) -> str:
-    """A pod asking for the stand-in device: allocatable, admitted, the node in its container."""
+    """A Guaranteed pod asking for the stand-in device too: allocatable, admitted, the node in its
+    container, an exclusive CPU of its own (on the 2-CPU host the last one)."""
     dev = r.args.device
     wait_for(f"the node to show {r.resource}: 1 allocatable", r.device_allocatable, timeout=60)
     say(f"node allocatable {r.resource}: 1")
-    resources = {"limits": {r.resource: "1"}}
+    resources = {"requests": GUARANTEED["requests"], "limits": {**GUARANTEED["limits"], r.resource: "1"}}
     r.kube.create(pod_spec("device", resources, script=DEVICE_SCRIPT.format(dev=dev)))
     ctr = r.running("device")["device"]
     inside = Path(f"/proc/{r.pid(ctr)}/root{dev}")
@@ -426,9 +447,15 @@ def step3_device(r: Run, guaranteed: str) -> str:
     others = Path(f"/proc/{r.pid(guaranteed)}/root{dev}")
     assert not others.exists(), f"the Guaranteed pod, which asked for no device, has {dev} too"
     slot = r.slot_of(ctr)
+    assert slot["qos"] == "guaranteed", f"the device pod's slot is {slot['qos']}, not guaranteed"
+    cpus = r.cgroup_cpus(ctr)
+    assert sorted(parse_cpulist(cpus)) == sorted(slot["assignment"]["cpus"]), (
+        f"the device pod runs on CPUs {cpus}, its slot holds {slot['assignment']['cpuset']}"
+    )
+    r.exclusive_disjoint()
     say(
         f"device pod runs with {dev} (block {os.major(host.st_rdev)}:{os.minor(host.st_rdev)}), "
-        f"slot {slot['id']}"
+        f"slot {slot['id']} exclusive CPU {slot['assignment']['cpuset']}, container cpuset.cpus={cpus}"
     )
     return ctr
 
@@ -449,7 +476,7 @@ def snapshot(r: Run, pods: dict[str, str]) -> dict[str, str]:
 def step4_restarts(r: Run, pods: dict[str, str]) -> None:
     """kubelet, containerd and agent restarts: same containers, same slots, no CPU held twice."""
     before = snapshot(r, pods)
-    g_cpus = sorted(r.slot_of(pods["guaranteed"])["assignment"]["cpus"])
+    held = {pod: sorted(r.slot_of(ctr)["assignment"]["cpus"]) for pod, ctr in pods.items()}
     env = dict(os.environ, NODEAGENT_KUBE_WORK=str(r.work))
     cluster = Path(__file__).resolve().parents[2] / "kube" / "cluster"
 
@@ -457,12 +484,14 @@ def step4_restarts(r: Run, pods: dict[str, str]) -> None:
         ids = snapshot(r, pods)
         assert ids == before, f"after {after}: slot ids changed from {before} to {ids}"
         r.exclusive_disjoint()
-        cpus = r.cgroup_cpus(pods["guaranteed"])
-        assert sorted(parse_cpulist(cpus)) == g_cpus, (
-            f"after {after}: the Guaranteed pod runs on {cpus}, not {g_cpus}"
-        )
+        for pod, cpus in held.items():
+            now = r.cgroup_cpus(pods[pod])
+            assert sorted(parse_cpulist(now)) == cpus, f"after {after}: pod {pod} runs on {now}, not {cpus}"
         wait_for(f"{r.resource} allocatable again after {after}", r.device_allocatable, timeout=60)
-        say(f"after {after}: pods run, slots {sorted(ids.values())} kept, device allocatable")
+        say(
+            f"after {after}: pods run on {held}, slots {sorted(ids.values())} kept, device allocatable, "
+            f"{r.ledger_probe([c for cpus in held.values() for c in cpus])}"
+        )
 
     for component in ("kubelet", "containerd"):
         started = time.monotonic()
