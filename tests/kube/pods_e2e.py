@@ -523,7 +523,7 @@ def step4_restarts(r: Run, pods: dict[str, str]) -> None:
     started = time.monotonic()
     plugged = r.plugin_registrations()
     r.daemon.kill()
-    r.client = r.daemon.start(timeout=120)
+    r.client = r.daemon.start(timeout=180)
     wait_for(
         "the restarted agent's device plugin to register", lambda: r.plugin_registrations() > plugged, 60
     )
@@ -572,7 +572,7 @@ def step5_leave_nothing(r: Run, pods: dict[str, str], baseline: dict[str, set[st
     wait_for("the kubelet's pod cgroups to go", lambda: not r.pod_cgroups(), timeout=POD_WAIT_S, every=1.0)
     assert r.cdi_specs() == baseline["cdi"], f"CDI specs left: {sorted(r.cdi_specs() - baseline['cdi'])}"
     r.daemon.kill()
-    r.client = r.daemon.start(timeout=120)
+    r.client = r.daemon.start(timeout=180)
     assert r.slots() == [], f"slots in the agent's state after a restart: {r.names()}"
     say("nothing left: no slot (also after an agent restart), no agent or pod cgroup, no CDI spec")
 
@@ -585,7 +585,7 @@ def run(r: Run) -> None:
             lambda: r.kube.allocatable("cpu") != "0",
             timeout=60,
         )
-        r.client = r.daemon.start(timeout=120)
+        r.client = r.daemon.start(timeout=180)
         start_shim(r.args, r.daemon, r.shim_log)
         baseline = {"cgroups": r.agent_cgroups(), "cdi": r.cdi_specs()}
         say(f"agent up, shim registered; agent cgroups {sorted(baseline['cgroups'])}")
