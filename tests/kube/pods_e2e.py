@@ -10,15 +10,16 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    slot (``GET /v1/slots``): its container's cgroup cpuset is the slot's CPU, its memory limit
    64Mi; a Burstable and a BestEffort pod run in slots of the burstable and best-effort class;
 2. one ledger: deleting the Burstable and BestEffort pods frees their slots; a REST guaranteed
-   slot gets the other CPU, never the pod's; a Guaranteed pod asking for a CPU then (the kubelet
-   admits it: its own count says one CPU is free) fails its creation with the agent's reason in
-   the pod's events, and holds no slot;
-3. a pod asking for ``nodeagent.io/device-<loopN>`` (a loop device as ``[placement]
-   allowed_devices`` stands in for an accelerator): the node shows it allocatable, the kubelet
-   admits the pod, its container has the device node (the plugin answers device nodes);
+   slot of every CPU the agent has left (on the 2-CPU host: the other one) never gets the pod's;
+   a Guaranteed pod asking for a CPU then (the kubelet admits it: its own count says one CPU is
+   free) fails its creation with the agent's reason in the pod's events, and holds no slot;
+3. a second Guaranteed pod asking for ``nodeagent.io/device-<loopN>`` too (a loop device as
+   ``[placement] allowed_devices`` stands in for an accelerator): the node shows it allocatable,
+   the kubelet admits the pod, its container reads the device node (the plugin answers device
+   nodes) and runs on its slot's exclusive CPU; the first pod has no such node;
 4. a kubelet restart, a containerd restart, an agent SIGKILL and restart: the pods keep running
-   (the same containers, no restart), their slots keep their ids, no CPU is held twice, the device
-   is allocatable again;
+   (the same containers, no restart) on their slots' CPUs, their slots keep their ids, no CPU is
+   held twice (nor given to a REST slot), the device is allocatable again;
 5. deleting the pods frees their slots; 20 pods (Burstable and BestEffort) created and deleted
    leave nothing: no slot (also after an agent restart), no cgroup under the agent's parent or
    the kubelet's pod cgroups, no CDI spec beyond those before the first pod.
