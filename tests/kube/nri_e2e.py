@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def pod_config(work: Path, uid: str) -> dict[str, Any]:
         # A Guaranteed pod's cgroup parent as the kubelet (cgroupfs driver) names it: directly under
         # kubepods, inside kube/cluster's own subtree (stop removes it).
         "linux": {
-            "cgroup_parent": f"/nodeagent-kube/kubepods/pod{uid}",
+            "cgroup_parent": f"/{os.environ.get('KUBE_CGROUP_ROOT', 'nodeagent-kube')}/kubepods/pod{uid}",
             "security_context": {"namespace_options": {"network": 2}},  # the host's network: no CNI
         },
         "log_directory": str(logs),
@@ -345,7 +346,9 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     say("PASS (host partitioning observed, not checked)" if OBSERVE_PARTITIONING else "PASS")
 
 
-def clean_up(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl) -> None:
+def clean_up(
+    args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, tell: Callable[[str], None] = say
+) -> None:
     for pod in args.pods:
         cri.run("stopp", pod, check=False)
         cri.run("rmp", "-f", pod, check=False)
@@ -374,7 +377,7 @@ def clean_up(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl) -> No
         timeout=120,
         check=False,
     )
-    say(f"uninstall ({done.returncode}): {(done.stdout + done.stderr).strip()}")
+    tell(f"uninstall ({done.returncode}): {(done.stdout + done.stderr).strip()}")
 
 
 def main(argv: list[str] | None = None) -> int:
