@@ -21,7 +21,6 @@ without), and the create + start total. Target: the agent adds at most 20 ms at 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -34,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.daemon import DaemonProcess, nodeagent_argv
-from tests.kube.nri_e2e import Crictl, container_config, nri_slots, pod_config, start_shim
+from tests.daemon import DaemonProcess
+from tests.kube.nri_e2e import Crictl, clean_up, container_config, nri_slots, pod_config, start_shim
 
 REPO = Path(__file__).resolve().parent.parent
 PARENT = f"natestkb{os.getpid()}.slice"
@@ -118,30 +117,8 @@ def main() -> int:
             shim.terminate()
             shim.wait(timeout=10)
     finally:
-        for pod in pods:
-            cri.run("stopp", pod, check=False)
-            cri.run("rmp", "-f", pod, check=False)
-        for proc in shim_args.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-        daemon.stop()
-        daemon.stop_keeper()
-        with contextlib.suppress(subprocess.SubprocessError):
-            subprocess.run(
-                [
-                    *nodeagent_argv(),
-                    "uninstall",
-                    "--config",
-                    str(daemon.config),
-                    "--state-dir",
-                    str(daemon.state),
-                    "--release-slots",
-                ],
-                capture_output=True,
-                timeout=120,
-                check=False,
-            )
+        # The e2e suite's clean-up: pods, the shim, the agent and its keeper, uninstall --release-slots.
+        clean_up(argparse.Namespace(pods=pods, procs=shim_args.procs), daemon, cri, tell=lambda _: None)
         subprocess.run([str(REPO / "kube" / "cluster"), "stop"], env=env, capture_output=True, check=False)
         shutil.rmtree(agent_dir, ignore_errors=True)
     print(f"\ncontainers created (crictl create; NRI's CreateContainer inside) in {args.rounds} rounds, ms:")

@@ -59,7 +59,9 @@ def nodeagent_argv() -> list[str]:
     return [sys.executable, "-c", "from nodeagent.cli import main; main()"]
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0, every: float = 0.05) -> Any:
+    """``check()`` every ``every`` seconds until it returns something true, and that; an
+    AssertionError naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -67,7 +69,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> An
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(every)
 
 
 def keeper_status(keeper_dir: Path) -> dict[str, Any] | None:

@@ -51,7 +51,7 @@ import httpx
 
 from nodeagent.agent.nri import slot_name
 from nodeagent.cpulist import parse_cpulist
-from tests.daemon import DaemonProcess
+from tests.daemon import DaemonProcess, wait_until
 from tests.kube.nri_e2e import Crictl, cgroup_file, clean_up, registrations, start_shim
 
 PARENT = f"natestpods{os.getpid()}.slice"
@@ -71,15 +71,9 @@ def say(text: str) -> None:
 
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float = 60.0, every: float = 0.3) -> T:
-    """``check()`` until it returns something true; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
+    """tests.daemon's wait, typed, at a pace that does not load the API server and the kubelet."""
+    value: T = wait_until(what, check, timeout, every)
+    return value
 
 
 def more(count: Callable[[], int], than: int) -> Callable[[], bool]:
