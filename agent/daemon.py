@@ -79,6 +79,11 @@ log = logging.getLogger("nodeagent.daemon")
 
 #: The API sockets' listen backlog.
 ACCEPT_BACKLOG = 128
+#: Accept bursts whose descriptors can be open at once before the connection limit closes any:
+#: asyncio accepts up to ACCEPT_BACKLOG connections per loop iteration, and a rejected one holds
+#: its descriptor for two more (the task that makes its transport, then connection_made where the
+#: limit aborts it, then connection_lost where the socket closes), while a burst comes in each.
+ACCEPT_BURSTS_IN_FLIGHT = 3
 
 _STANDARD_RECORD_KEYS = frozenset(vars(logging.makeLogRecord({})))
 
@@ -585,14 +590,17 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
     from nodeagent.agent.connguard import Counters, Limits, guarded_protocol  # noqa: PLC0415
 
     # Every connection is a descriptor from accept() on, and asyncio accepts up to ``backlog``
-    # connections in one go before the limit can cut any: open connections may use at most half
-    # of what is left after the agent's own descriptors and one such burst, the other half stays
-    # for the agent's growth (workers' pipes, cgroup files). Past the descriptor limit accept()
-    # fails with EMFILE for everyone, the agent's own health checks included.
+    # connections in one go before the limit can cut any, with up to ACCEPT_BURSTS_IN_FLIGHT such
+    # bursts open at once under a flood: open connections may use at most half of what is left
+    # after the agent's own descriptors and those bursts, the other half stays for the agent's
+    # growth (workers' pipes, cgroup files). Past the descriptor limit accept() fails with EMFILE
+    # for everyone, the agent's own health checks included. (With one burst reserved, a flood on
+    # a loaded machine still ran a 512-descriptor agent out: 72 accept errors.)
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     total = config.api.max_connections
     if nofile != resource.RLIM_INFINITY:
-        room = max((nofile - len(os.listdir("/proc/self/fd")) - ACCEPT_BACKLOG) // 2, 1)
+        reserved = ACCEPT_BURSTS_IN_FLIGHT * ACCEPT_BACKLOG
+        room = max((nofile - len(os.listdir("/proc/self/fd")) - reserved) // 2, 1)
         if total > room:
             total = room
             log.warning(
