@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.config import AgentConfig
@@ -431,16 +431,32 @@ def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins 
         allowed_devices=config.placement.allowed_devices,
         cdi=config.cdi.enabled and config.cdi.device_specs and manager.isolation.isolates,
     )
+    # e.g. a directory it cannot write: the agent serves without the plugins
+    return (
+        plugins if _started(manager, "device_plugin", "the device plugins", plugins, plugins.start) else None
+    )
+
+
+class _Integration(Protocol):
+    def problems(self) -> tuple[str, ...]: ...
+    def close(self) -> None: ...
+
+
+def _started(
+    manager: SlotManager, name: str, what: str, part: _Integration, start: Callable[[], None]
+) -> bool:
+    """Start a Kubernetes integration beside the manager and show it in ``node()``; one that does
+    not start is closed, logged and shown with why, and the agent serves without it."""
     try:
-        plugins.start()
-    except Exception as err:  # e.g. a directory it cannot write: the agent serves without the plugins
-        log.exception("device plugins did not start")
-        plugins.close()
-        failed = (f"the device plugins did not start: {err}",)
-        manager.watch_integration("device_plugin", lambda: failed)
-        return None
-    manager.watch_integration("device_plugin", plugins.problems)
-    return plugins
+        start()
+    except Exception as err:
+        log.exception("%s did not start", what)
+        part.close()
+        failed = (f"{what} did not start: {err}",)
+        manager.watch_integration(name, lambda: failed)
+        return False
+    manager.watch_integration(name, part.problems)
+    return True
 
 
 def _nrt_publisher(config: AgentConfig, manager: SlotManager) -> NrtPublisher | None:
@@ -467,16 +483,15 @@ def _nrt_publisher(config: AgentConfig, manager: SlotManager) -> NrtPublisher | 
         lambda: KubernetesNrtApi(k.kubeconfig),
         devices=k.device_plugin,  # the device classes mean something to pods only with the plugin
     )
-    try:
+
+    def start() -> None:
         publisher.start()
         manager.subscribe(publisher.notify_change)
-    except Exception as err:  # the agent serves without it
-        log.exception("NodeResourceTopology publisher did not start")
-        publisher.close()
-        failed = (f"the publisher did not start: {err}",)
-        manager.watch_integration("node_resource_topology", lambda: failed)
+
+    if not _started(
+        manager, "node_resource_topology", "the NodeResourceTopology publisher", publisher, start
+    ):
         return None
-    manager.watch_integration("node_resource_topology", publisher.problems)
     log.info("NodeResourceTopology publisher started", extra={"node": publisher.node_name})
     return publisher
 
