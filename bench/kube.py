@@ -33,8 +33,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.daemon import DaemonProcess
-from tests.kube.nri_e2e import Crictl, clean_up, container_config, nri_slots, pod_config, start_shim
+from tests.kube.nri_e2e import (
+    Crictl,
+    clean_up,
+    container_config,
+    nri_agent,
+    nri_slots,
+    pod_config,
+    start_shim,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 PARENT = f"natestkb{os.getpid()}.slice"
@@ -80,13 +87,7 @@ def main() -> int:
     binaries = tool("build", env)
     shim_binary = tool("build-nri-shim", env)
     agent_dir = Path(tempfile.mkdtemp(prefix="kube-bench-agent-"))
-    sock = agent_dir / "agent.sock"
-    daemon = DaemonProcess(
-        agent_dir,
-        f'[api]\nunix_socket = "{sock}"\n\n[isolation]\nhost_partitioning = "off"\n'
-        f'cgroup_parent = "{PARENT}"\nnetns_prefix = "kb{os.getpid()}-"\nveth_prefix = "kbe"\n'
-        f'firewall_table = "natestkb{os.getpid()}"\n\n[kubernetes]\nnri = true\n',
-    )
+    daemon = nri_agent(agent_dir, "kb", PARENT)
     shim_args = argparse.Namespace(shim=shim_binary, work=args.work, procs=[])
     cri = Crictl(binaries / "crictl", args.work)
     pods: list[str] = []

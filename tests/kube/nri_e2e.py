@@ -380,6 +380,30 @@ def clean_up(
     tell(f"uninstall ({done.returncode}): {(done.stdout + done.stderr).strip()}")
 
 
+def nri_agent(
+    work: Path,
+    short: str,
+    parent: str,
+    *,
+    partitioning: str = "off",
+    placement: str = "",
+    kubernetes: str = "",
+) -> DaemonProcess:
+    """A test agent in ``work`` with NRI on, its API on a unix socket (``work/agent.sock``, where
+    the shim calls it), its own cgroup parent and network names (``short``: two letters), and the
+    ``[placement]`` and further ``[kubernetes]`` lines given."""
+    pid = os.getpid()
+    return DaemonProcess(
+        work,
+        f'[api]\nunix_socket = "{work / "agent.sock"}"\n\n'
+        f'[isolation]\nhost_partitioning = "{partitioning}"\ncgroup_parent = "{parent}"\n'
+        f'netns_prefix = "{short}{pid}-"\nveth_prefix = "{short}e"\n'
+        f'firewall_table = "{parent.removesuffix(".slice")}"\n\n'
+        + (f"[placement]\n{placement}\n\n" if placement else "")
+        + f"[kubernetes]\nnri = true\n{kubernetes}",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bin", type=Path, required=True, help="kube/build's bin directory")
@@ -388,14 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.procs, args.pods = [], []
     agent_dir = Path(tempfile.mkdtemp(prefix="nri-e2e-agent-"))
-    sock = agent_dir / "agent.sock"
-    daemon = DaemonProcess(
-        agent_dir,
-        f'[api]\nunix_socket = "{sock}"\n\n'
-        f'[isolation]\nhost_partitioning = "{"auto" if OBSERVE_PARTITIONING else "off"}"\n'
-        f'cgroup_parent = "{PARENT}"\nnetns_prefix = "nn{os.getpid()}-"\nveth_prefix = "nne"\n'
-        f'firewall_table = "natestnri{os.getpid()}"\n\n[kubernetes]\nnri = true\n',
-    )
+    daemon = nri_agent(agent_dir, "nn", PARENT, partitioning="auto" if OBSERVE_PARTITIONING else "off")
     cri = Crictl(args.bin / "crictl", args.work)
     status = 1
     try:

@@ -52,7 +52,7 @@ import httpx
 from nodeagent.agent.nri import slot_name
 from nodeagent.cpulist import parse_cpulist
 from tests.daemon import DaemonProcess, wait_until
-from tests.kube.nri_e2e import Crictl, cgroup_file, clean_up, registrations, start_shim
+from tests.kube.nri_e2e import Crictl, cgroup_file, clean_up, nri_agent, registrations, start_shim
 
 PARENT = f"natestpods{os.getpid()}.slice"
 NODE = os.environ.get("KUBE_NODE_NAME", "nodeagent-kube")
@@ -633,15 +633,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.procs, args.pods = [], []
     agent_dir = Path(tempfile.mkdtemp(prefix="pods-e2e-agent-"))
-    sock = agent_dir / "agent.sock"
-    daemon = DaemonProcess(
+    daemon = nri_agent(
         agent_dir,
-        f'[api]\nunix_socket = "{sock}"\n\n'
-        f'[isolation]\nhost_partitioning = "off"\ncgroup_parent = "{PARENT}"\n'
-        f'netns_prefix = "np{os.getpid()}-"\nveth_prefix = "npe"\n'
-        f'firewall_table = "natestpods{os.getpid()}"\n\n'
-        f'[placement]\nallowed_devices = ["{args.device}"]\n\n'
-        f'[kubernetes]\nnri = true\ndevice_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n',
+        "np",
+        PARENT,
+        placement=f'allowed_devices = ["{args.device}"]',
+        kubernetes=f'device_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n',
     )
     r = Run(args, daemon)
     # A SIGTERM (a CI timeout) ends the run through ``finally``: the agent, its keeper and the shim
