@@ -186,10 +186,6 @@ SlotId = Annotated[
 ]
 
 
-#: Each route's query parameters by name, found once per route.
-_QUERY_NAMES: dict[int, frozenset[str]] = {}
-
-
 def _query_names(dependant: Dependant) -> frozenset[str]:
     """The query parameters an operation takes, its dependencies' included."""
     names = {p.alias for p in dependant.query_params}
@@ -206,10 +202,7 @@ def _refuse_unknown_query(request: Request) -> None:
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
-    known = _QUERY_NAMES.get(id(route))
-    if known is None:
-        known = _query_names(route.dependant)
-        _QUERY_NAMES[id(route)] = known
+    known = _query_names(route.dependant)  # a few attributes: only asked when a query is sent
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         takes = ", ".join(sorted(known)) if known else "no query parameters"
