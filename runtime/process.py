@@ -325,8 +325,11 @@ class WorkerProcess:
         process ends, the whole stop grace to drain, not an orphan's."""
         if self._pidfd < 0:
             return
-        # Unwritten, the remainder of its tree gets an orphan's grace: shorter, never longer.
+        # Unwritten, the remainder of its tree gets an orphan's grace: shorter, never longer. The
+        # keeper makes the run directory when it takes custody, which may come after the launch
+        # returned: a stop asked at once (a slot deleted as it starts) must not find none.
         with contextlib.suppress(OSError):
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             (self.run_dir / STOP_REQUESTED).write_text(self.state.launch_id)
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, sig)
