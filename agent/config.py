@@ -181,6 +181,9 @@ class QosConfig:
     enabled: bool = True
     period_seconds: float = 1.0
     cpu_margin: float = 0.1  #: share of the shared pool kept free above online use
+    #: count the host's CPU use outside the agent's slots as online work (best-effort then gets what
+    #: everything leaves, not what the online slots leave)
+    host_cpu_as_online: bool = False
     cpu_release_periods: int = 3  #: online use is the peak of this many periods: cut now, give back later
     cpu_pressure_threshold: float = 0.1  #: online CPU stall share (PSI, cgroup v2) that suppresses fully
     io_pressure_threshold: float = 0.2
@@ -283,6 +286,7 @@ class AgentConfig:
         return ColocationConfig(
             period_seconds=q.period_seconds,
             cpu_margin=q.cpu_margin,
+            host_cpu_as_online=q.host_cpu_as_online,
             cpu_release_periods=q.cpu_release_periods,
             cpu_pressure_threshold=q.cpu_pressure_threshold,
             io_pressure_threshold=q.io_pressure_threshold,

@@ -350,6 +350,9 @@ class QosLoop:
             body["online_pressure"] = {
                 k: None if v is None else round(v, 4) for k, v in measured.online_pressure.items()
             }
+            # The pool's use by neither class in the last period: not subtracted from batch unless
+            # host_cpu_as_online says so (docs/colocation.md).
+            body["host_used"] = {"cpus": None if measured.host_cpu is None else round(measured.host_cpu, 3)}
         return body
 
     def slot_view(self, slot_id: str) -> tuple[tuple[dict[str, Any], ...], bool]:
@@ -453,6 +456,8 @@ class _QosCollector(Collector):
             )
             usage.add_metric(("online",), measured.online_cpu)
             usage.add_metric(("best_effort",), measured.best_effort_cpu)
+            if measured.host_cpu is not None:
+                usage.add_metric(("host",), measured.host_cpu)
             yield usage
             pressure = GaugeMetricFamily(
                 f"{prefix}_online_pressure",

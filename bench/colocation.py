@@ -11,9 +11,20 @@ buffer). Scenarios, interleaved in rounds because the machine is shared and drif
 
 - ``alone``: the online worker under load, nothing else of ours;
 - ``weights``: best-effort beside it with today's protection only (cpu.idle, minimal weight);
-- ``qos loop``: the same, with the QoS loop (sampler -> decide -> actuator, every ``--period``).
+- ``qos loop``: the same, with the QoS loop (sampler -> decide -> actuator, every ``--period``);
+- ``loop, host online``: the loop with ``host_cpu_as_online`` (the host's other CPU use counted
+  as online work, the rule before 2026-12-06) beside the loop as shipped, which counts it apart.
 
-Each round starts at another scenario (alone, weights, loop; then weights, loop, alone; ...).
+Each round starts at another scenario (alone, weights, loop, ...; then weights, loop, ..., alone).
+
+``--other-tenant CPUS`` adds the host's other tenants where the machine has none: a process outside
+the slots, at normal priority, busy for that share of every 50 ms on one CPU, running through every
+scenario (its CPU shows under "others").
+
+``--step`` adds a load step with the loop and best-effort running: online load at the low rate of
+``--step-rates`` for ``--step-seconds``, then the high rate, then the low one again. Reported: each
+phase's p99 and online CPU, and the time from each step to the loop's first action that cuts
+best-effort (``cpu_suppress``) or gives CPU back (``cpu_release``), in seconds and periods.
 
 Figures per scenario: client p50/p99/p99.9 in ms (median over rounds), p99 as a multiple of the
 same round's ``alone`` (median [min-max]); best-effort CPU time as a share of what the online work
@@ -52,7 +63,7 @@ from pathlib import Path
 
 from nodeagent.cgroups import CgroupLimits, detect, open_manager
 from nodeagent.errors import NodeAgentError
-from nodeagent.isolation.colocation import Action, ColocationConfig, LoopState, Sample, decide
+from nodeagent.isolation.colocation import Action, ColocationConfig, Decision, LoopState, Sample, decide
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator
 from nodeagent.isolation.network import SlotNetworkConfig
@@ -61,13 +72,20 @@ from nodeagent.isolation.slot_spec import IsolatorConfig, SlotIsolationSpec
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 WORKER = HERE.parent / "examples" / "oip_worker.py"
-SCENARIOS = ("alone", "weights", "qos loop")
+SCENARIOS = ("alone", "weights", "qos loop", "loop, host online")
+LOOPS = {"qos loop": False, "loop, host online": True}  # scenario -> host_cpu_as_online
 BODY = json.dumps(
     {"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": [0.01 * i for i in range(64)]}]}
 ).encode()
 
 CPU_HOG = "while True:\n    pass\n"
 BANDWIDTH_HOG = "a = bytearray(64 << 20)\nb = bytearray(64 << 20)\nwhile True:\n    a[:] = b\n"
+# Busy for argv[1] of every 50 ms window, asleep for the rest: another tenant's steady load.
+DUTY_HOG = (
+    "import sys, time\nshare = float(sys.argv[1])\nwhile True:\n    start = time.monotonic()\n"
+    "    while time.monotonic() - start < 0.05 * share:\n        pass\n"
+    "    time.sleep(max(0.0, 0.05 - (time.monotonic() - start)))\n"
+)
 GROWING_HOG = (
     "import sys, time\nstep, limit = int(sys.argv[1]) << 20, int(sys.argv[2]) << 20\nblocks = []\n"
     "while len(blocks) * step < limit:\n    blocks.append(b'x' * step)\n    time.sleep(0.1)\n"
@@ -187,6 +205,7 @@ class QosThread:
         self.periods = 0
         self.errors: list[str] = []
         self.samples: list[Sample] = []
+        self.timeline: list[tuple[float, Decision]] = []  # (monotonic time, the period's decision)
         self.before_sample: Callable[[], None] = lambda: None
         self.evict: Callable[[str], None] = lambda slot_id: None
         self._stop = threading.Event()
@@ -216,6 +235,7 @@ class QosThread:
         self.samples.append(sample)
         decision = decide(self.config, self.state, sample)
         self.state = decision.state
+        self.timeline.append((sample.time, decision))
         for action in decision.actions:
             self.actions.append(action)
             if action.kind == "evict" and action.slot_id is not None:
@@ -307,8 +327,8 @@ class Bench:
                 hogs = [start_in(self.batch, python(CPU_HOG)) for _ in self.pool]
                 if not self.args.no_bandwidth_hog:
                     hogs.append(start_in(self.batch, python(BANDWIDTH_HOG)))
-            if name == "qos loop":
-                loop = self.loop()
+            if name in LOOPS:
+                loop = self.loop(host_as_online=LOOPS[name])
                 loop.start()
             time.sleep(self.args.settle)
             before = self.snapshot()
@@ -345,7 +365,7 @@ class Bench:
             pool_busy_seconds(self.pool),
         )
 
-    def loop(self, proc_root: Path = Path("/proc")) -> QosThread:
+    def loop(self, proc_root: Path = Path("/proc"), *, host_as_online: bool = False) -> QosThread:
         isolator = self.isolator
         sampler = Sampler(
             isolator.host,
@@ -355,7 +375,9 @@ class Bench:
             proc_root=proc_root,
         )
         slots = [SlotInfo("online", "burstable"), SlotInfo("batch", "best-effort", running=True)]
-        config = ColocationConfig(period_seconds=self.args.period, cpu_margin=self.args.margin)
+        config = ColocationConfig(
+            period_seconds=self.args.period, cpu_margin=self.args.margin, host_cpu_as_online=host_as_online
+        )
         return QosThread(sampler, Actuator(isolator), config, slots)
 
 
@@ -465,6 +487,87 @@ def bench_online_alive(bench: Bench) -> bool:
     return True
 
 
+# --------------------------------------------------------------------------- the load step
+
+
+def step_response(bench: Bench) -> dict[str, object]:
+    """Best-effort hogs and the loop running; online load low, high, low. Each phase's p99 and
+    online CPU, and how long after each step the loop cut best-effort and gave CPU back."""
+    low, high = bench.args.step_rates
+    seconds = bench.args.step_seconds
+    hidden, layers = bench.args.step_model
+    # A heavier model than the rounds' in a burstable slot of its own with room above one CPU: at the
+    # high rate online work must take enough of the pool for best-effort's allowance to fall.
+    slot = bench.isolator.apply(
+        SlotIsolationSpec("online-step", "burstable", cpu_quota=2.0, memory_bytes=1024 * MiB)
+    )
+    port = free_port()
+    server = start_in(
+        slot,
+        [sys.executable, str(WORKER), "--port", str(port), "--hidden", str(hidden), "--layers", str(layers)],
+        {"OMP_NUM_THREADS": "1"},
+    )
+    hogs = [start_in(bench.batch, python(CPU_HOG)) for _ in bench.pool]
+    if not bench.args.no_bandwidth_hog:
+        hogs.append(start_in(bench.batch, python(BANDWIDTH_HOG)))
+    loop = bench.loop()
+    phases: list[dict[str, object]] = []
+    steps: list[float] = []
+    try:
+        wait_ready(port)
+        open_loop(port, low, 1.0)  # warm it up
+        loop.start()
+        time.sleep(bench.args.settle + 3 * bench.args.period)  # the loop's window sees the low load
+        for rate in (low, high, low):
+            steps.append(time.monotonic())
+            online_before = cpu_seconds(slot)
+            latencies, failures = open_loop(port, rate, seconds)
+            online_cpu = (cpu_seconds(slot) - online_before) / (time.monotonic() - steps[-1])
+            phases.append(
+                {
+                    "rate": rate,
+                    "p50_ms": round(percentile(latencies, 0.5), 2),
+                    "p99_ms": round(percentile(latencies, 0.99), 2),
+                    "online_cpus": round(online_cpu, 2),
+                    "failed": failures,
+                }
+            )
+    finally:
+        loop.stop()
+        for proc in (*hogs, server):
+            proc.kill()  # our own children, by pid
+            proc.wait()
+        bench.isolator.release(slot.slot_id)
+    period = bench.args.period
+
+    def first_after(at: float, kind: str, until: float) -> dict[str, object]:
+        for when, decision in loop.timeline:
+            if at < when <= until and any(a.kind == kind for a in decision.actions):
+                action = next(a for a in decision.actions if a.kind == kind)
+                return {
+                    "seconds": round(when - at, 2),
+                    "periods": round((when - at) / period, 2),
+                    "quota": action.quota_cpus,
+                    "cpuset": sorted(action.cpus or ()),
+                }
+        return {"seconds": None, "note": f"no {kind} within the phase"}
+
+    allowed = [
+        (when, d.measured.allowed_cpus, d.measured.online_cpu)
+        for when, d in loop.timeline
+        if d.measured is not None
+    ]
+    end = time.monotonic()
+    return {
+        "phases": phases,
+        "suppress_after_step_up": first_after(steps[1], "cpu_suppress", steps[2]),
+        "give_back_after_step_down": first_after(steps[2], "cpu_release", end),
+        "allowed_per_period": [
+            (round(when - steps[0], 1), round(value, 2), round(online, 2)) for when, value, online in allowed
+        ],
+    }
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -486,6 +589,26 @@ def main() -> None:
     parser.add_argument(
         "--record", type=Path, default=None, help="write the loop's samples of the first round here (JSON)"
     )
+    parser.add_argument(
+        "--other-tenant",
+        type=float,
+        default=0.0,
+        help="CPUs (0-1) another tenant outside the slots takes throughout (duty-cycled busy loop)",
+    )
+    parser.add_argument("--step", action="store_true", help="also run the load step")
+    parser.add_argument(
+        "--step-rates",
+        type=lambda text: tuple(float(v) for v in text.split(",")),
+        default=(20.0, 200.0),
+        help="low,high online rates of the load step (req/s)",
+    )
+    parser.add_argument("--step-seconds", type=float, default=10.0, help="seconds of each phase of the step")
+    parser.add_argument(
+        "--step-model",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        default=(4096, 3),
+        help="hidden width,layers of the load step's online model (heavier than the rounds')",
+    )
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("run as root: the bench creates cgroups")
@@ -502,9 +625,14 @@ def main() -> None:
         ),
     )
     server: subprocess.Popen[bytes] | None = None
+    tenant: subprocess.Popen[bytes] | None = None
     results: dict[str, list[Result]] = {s: [] for s in SCENARIOS}
     squeezes: list[dict[str, float | int | str]] = []
+    step: dict[str, object] | None = None
     try:
+        if args.other_tenant > 0:
+            # Outside the slots, at normal priority: the host's other load, as the loop sees it.
+            tenant = subprocess.Popen(python(DUTY_HOG, str(args.other_tenant)))
         online = isolator.apply(
             SlotIsolationSpec("online", "burstable", cpu_quota=1.0, memory_bytes=512 * MiB)
         )
@@ -519,7 +647,8 @@ def main() -> None:
         print(
             f"pool CPUs {sorted(pool)}; online: OIP worker (burstable, 1 CPU quota) at {args.rate:g} req/s "
             f"open loop; best-effort: {len(pool)} CPU hogs"
-            f"{'' if args.no_bandwidth_hog else ' + a memory-bandwidth hog'}; {args.rounds} "
+            f"{'' if args.no_bandwidth_hog else ' + a memory-bandwidth hog'}; "
+            f"{f'another tenant at {args.other_tenant:g} CPU; ' if tenant else ''}{args.rounds} "
             f"interleaved rounds of {args.seconds:g} s; load average {os.getloadavg()[0]:.2f}",
             flush=True,
         )
@@ -534,6 +663,8 @@ def main() -> None:
                 f"round {round_no + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.2f})",
                 file=sys.stderr,
             )
+        if args.step:
+            step = step_response(bench)
         if args.squeeze:
             with_tmp = Path(tempfile.mkdtemp(prefix=f"{tag}-squeeze-"))
             with_tmp.mkdir(exist_ok=True)
@@ -543,6 +674,9 @@ def main() -> None:
             finally:
                 shutil.rmtree(with_tmp, ignore_errors=True)
     finally:
+        if tenant is not None:
+            tenant.kill()  # our own child, by pid
+            tenant.wait()
         if server is not None:
             server.terminate()
             try:
@@ -551,15 +685,19 @@ def main() -> None:
                 server.kill()
                 server.wait()
         isolator.remove_all()
-    report(results, squeezes)
+    report(results, squeezes, step)
 
 
-def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | int | str]]) -> None:
+def report(
+    results: dict[str, list[Result]],
+    squeezes: list[dict[str, float | int | str]],
+    step: dict[str, object] | None = None,
+) -> None:
     if not results["alone"]:
         results = {}
     alone = [percentile(r.latencies, 0.99) for r in results.get("alone", [])]
     print(
-        f"\n{'scenario':<10}{'p50':>7}{'p99':>8}{'p99.9':>8}  p99/alone median [min-max]"
+        f"\n{'scenario':<18}{'p50':>7}{'p99':>8}{'p99.9':>8}  p99/alone median [min-max]"
         f"   best-effort / idle left [range] / truly idle   others' CPU   loop CPU/period   steal"
     )
     for name, rounds in results.items():
@@ -579,10 +717,9 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
         loop_cpu = f"{sum(r.loop_busy for r in rounds) / periods * 1000:.2f} ms" if periods else "-"
         failures = sum(r.failures for r in rounds)
         print(
-            f"{name:<10}{p50:>7.2f}{p99:>8.2f}{p999:>8.2f}  {statistics.median(ratios):.2f}x "
+            f"{name:<18}{p50:>7.2f}{p99:>8.2f}{p999:>8.2f}  {statistics.median(ratios):.2f}x "
             f"[{min(ratios):.2f}-{max(ratios):.2f}]      {share:<22}{others:>6.2f} CPUs   {loop_cpu:<8}"
-            f"{steal:>6.3f} CPUs"
-            + (f"   ({failures} failed requests)" if failures else "")
+            f"{steal:>6.3f} CPUs" + (f"   ({failures} failed requests)" if failures else "")
         )
     per_round = {
         name: [round(percentile(r.latencies, 0.99), 2) for r in rounds] for name, rounds in results.items()
@@ -593,6 +730,10 @@ def report(results: dict[str, list[Result]], squeezes: list[dict[str, float | in
             "squeeze: "
             + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
         )
+    if step is not None:
+        print("\nload step (loop and best-effort running):")
+        for key, value in step.items():
+            print(f"  {key}: {value}")
 
 
 if __name__ == "__main__":

@@ -9,18 +9,24 @@ loop carry the actions out, and the tests feed it recorded or invented series.
 
 CPU. Best-effort runs on the shared pool only. Each period::
 
-    online  = busy time of the pool's CPUs - best-effort's CPU time      (host processes included)
+    online  = the burstable class's CPU time                            (the online slots in the pool)
+    host    = busy time of the pool's CPUs - online - best-effort's      (everything else)
     basis   = max(online over the last cpu_release_periods periods)      (cut now, give back later)
     allowed = pool * (1 - cpu_margin) - basis, at least min_cpus
 
 and the best-effort class gets ``floor(allowed)`` CPUs of the pool (at least one) as its cpuset and
-``allowed`` CPUs of quota. The CPUs come from the high end of the pool in a fixed order, whole
-cores together, so best-effort sits still on a few CPUs and online tasks find the others idle; a
-CPU whose hyperthread sibling runs busy online work (a guaranteed slot's core, or a pool CPU outside
-best-effort's cpuset) is taken last. Online CPU or I/O pressure (the share of the period in which
-an online task waited, from PSI) at or above its threshold cuts best-effort to ``min_cpus`` at once
-and holds it there for ``cpu_release_periods``. With two or more priorities among best-effort
-slots, each priority level gets as quota what the levels above it leave (their use plus headroom).
+``allowed`` CPUs of quota. The host's other use (tenants outside the agent, system daemons, the
+agent itself, steal) is not online work: it competes with best-effort through the scheduler, where
+best-effort runs at idle priority, so best-effort's allowance is what the online slots leave, not
+what everything leaves (``host_cpu_as_online`` counts it as online instead; so does a period in
+which the burstable class's CPU time could not be read). The CPUs come from the high end of the
+pool in a fixed order, whole cores together, so best-effort sits still on a few CPUs and online
+tasks find the others idle; a CPU whose hyperthread sibling runs busy online work (a guaranteed
+slot's core, or a pool CPU outside best-effort's cpuset) is taken last. Online CPU or I/O
+pressure (the share of the period in which an online task waited, from PSI) at or above its
+threshold cuts best-effort to ``min_cpus`` at once and holds it there for ``cpu_release_periods``.
+With two or more priorities among best-effort slots, each priority level gets as quota what the
+levels above it leave (their use plus headroom).
 
 Memory. Node memory used at or above ``memory_throttle_percent`` holds every best-effort slot at
 its current size (memory.high, the soft limit on v1); below the threshold by 5 points it is lifted.
@@ -44,6 +50,7 @@ from dataclasses import dataclass, replace
 
 from nodeagent.isolation.colocation_types import (
     ACTION_KINDS,
+    BURSTABLE_GROUP,
     Action,
     ActionKind,
     Batch,
@@ -115,7 +122,7 @@ def decide(config: ColocationConfig, state: LoopState, sample: Sample) -> Decisi
     batch: Batch | None = None
     if rated:
         assert previous is not None
-        rates = _Rates.of(previous, sample, dt)
+        rates = _Rates.of(previous, sample, dt, host_as_online=config.host_cpu_as_online)
         state, cpu_actions, allowed = _cpu(config, state, sample, rates)
         actions += cpu_actions
         state = _append_window(config, state, sample, rates)
@@ -128,6 +135,7 @@ def decide(config: ColocationConfig, state: LoopState, sample: Sample) -> Decisi
             memory_used_percent=_used_percent(sample),
             online_pressure=rates.online_pressure,
             allowed_cpus=allowed,
+            host_cpu=rates.host_cpu,
         )
         batch = _batch(config, state, sample, rates)
         pressure = rates.online_pressure.get("memory")
@@ -145,12 +153,13 @@ class _Rates:
     busy: Mapping[int, float]  # per CPU, share of the period
     pool_busy: float
     best_effort_cpu: float
-    online_cpu: float
+    online_cpu: float  # what counts as online (see the module docstring)
+    host_cpu: float | None  # the pool's use by neither class; None: the online slots' is unknown
     online_pressure: Mapping[PressureResource, float | None]
     slot_cpu: Mapping[str, float]
 
     @classmethod
-    def of(cls, before: Sample, now: Sample, dt: float) -> _Rates:
+    def of(cls, before: Sample, now: Sample, dt: float, *, host_as_online: bool = False) -> _Rates:
         dt_ns = dt * 1e9
         busy = {
             cpu: max(0.0, (now.cpu_busy_ns[cpu] - before.cpu_busy_ns[cpu]) / dt_ns)
@@ -165,11 +174,23 @@ class _Rates:
             for s in now.best_effort
             if s.slot_id in old_slots
         }
+        not_best_effort = max(0.0, pool_busy - best_effort)
+        old_class, new_class = before.online.get(BURSTABLE_GROUP), now.online.get(BURSTABLE_GROUP)
+        slots = (
+            None
+            if old_class is None or new_class is None
+            else _rate(old_class.cpu_ns, new_class.cpu_ns, dt_ns)
+        )
+        # The class's own clock and /proc/stat's ticks disagree by a little: the slots never count
+        # for more than the pool's use that is not best-effort's.
+        slots = None if slots is None else min(slots, not_best_effort)
+        host = None if slots is None else not_best_effort - slots
         return cls(
             busy=busy,
             pool_busy=pool_busy,
             best_effort_cpu=best_effort,
-            online_cpu=max(0.0, pool_busy - best_effort),
+            online_cpu=not_best_effort if slots is None or host_as_online else slots,
+            host_cpu=host,
             online_pressure=_online_pressure(before, now, dt * 1e6),
             slot_cpu=slot_cpu,
         )
@@ -577,6 +598,7 @@ def actions_by_slot(actions: Iterable[Action], best_effort: Iterable[str]) -> di
 
 __all__ = [
     "ACTION_KINDS",
+    "BURSTABLE_GROUP",
     "SLOT_DETAIL_EVERY",
     "Action",
     "ActionKind",

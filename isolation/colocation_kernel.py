@@ -37,7 +37,7 @@ from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
-from nodeagent.isolation.colocation import Action, BestEffortSlot, GroupUsage, Sample, Stall
+from nodeagent.isolation.colocation import BURSTABLE_GROUP, Action, BestEffortSlot, GroupUsage, Sample, Stall
 from nodeagent.isolation.isolator import SlotIsolator, class_has_cpu_idle
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
@@ -209,7 +209,7 @@ class Sampler:
         return GroupUsage(cpu_ns=cpu_ns, memory_bytes=memory_bytes, stall=stall)
 
     def _online(self, slots: Sequence[SlotInfo]) -> dict[str, GroupUsage]:
-        online = {"burstable": self.group(self.hierarchy.class_parent("burstable"), pressure=self._v2)}
+        online = {BURSTABLE_GROUP: self.group(self.hierarchy.class_parent("burstable"), pressure=self._v2)}
         for slot in slots:
             if slot.qos == "guaranteed":
                 relpath = self.hierarchy.slot_path(slot.slot_id, "guaranteed")

@@ -44,6 +44,10 @@ class ColocationConfig:
     memory_pressure_threshold: float = 0.1
     restore_after_seconds: float = 60.0
     batch_window_seconds: float = 300.0
+    #: Whether the host's other CPU use (processes outside the agent's slots) counts as online
+    #: work. Off: best-effort may use what the online slots leave, and other tenants compete with
+    #: it through the scheduler (best-effort runs at idle priority); on: what everything leaves.
+    host_cpu_as_online: bool = False
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -117,6 +121,11 @@ class BestEffortSlot:
     evicted: bool = False
 
 
+#: The key of the burstable class (every burstable slot together) in :attr:`Sample.online`; the
+#: other keys are guaranteed slots' ids.
+BURSTABLE_GROUP = "burstable"
+
+
 @dataclass(frozen=True)
 class Sample:
     """What the sampler read in one period.
@@ -183,7 +192,11 @@ class Action:
 @dataclass(frozen=True)
 class Measured:
     """What one period measured. CPU figures are in CPUs; pressure is the share of the period in
-    which some online task stalled (None: not measured)."""
+    which some online task stalled (None: not measured). ``online_cpu``: what the loop counted as
+    online use of the pool (the online slots', and the host's other use too where
+    ``host_cpu_as_online`` is set or the slots' own use could not be read); ``host_cpu``: the pool
+    CPU that neither online nor best-effort slots used (other tenants, system daemons, the agent
+    itself, the hypervisor's steal), None where the online slots' use could not be read."""
 
     period_seconds: float
     pool_cpus: int
@@ -193,6 +206,7 @@ class Measured:
     memory_used_percent: float
     online_pressure: Mapping[PressureResource, float | None]
     allowed_cpus: float
+    host_cpu: float | None = None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ what it carries out, what it records where (slot view, counters, batch), admissi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -184,7 +185,7 @@ def test_cpu_actions_are_carried_out_and_shown_on_every_best_effort_slot() -> No
     loop, _, sampler, actuator, clock = make_loop(slots, series)
     step(loop, sampler, clock)
     assert loop.batch() is None  # nothing measured yet
-    step(loop, sampler, clock, load(0.3, 1.5))
+    step(loop, sampler, clock, load(0.3, 1.5, host=0.2))
     (action,) = actuator.applied
     assert action.kind == "cpu_suppress"
     for slot_id in ("e1", "e2"):
@@ -199,6 +200,7 @@ def test_cpu_actions_are_carried_out_and_shown_on_every_best_effort_slot() -> No
     assert batch is not None
     assert batch["cpus"] == pytest.approx(1.5)
     assert batch["best_effort_allowed"] == {"cpus": 1.0, "cpuset": "1"}
+    assert batch["host_used"] == {"cpus": pytest.approx(0.2)}
     # The sampler was told which slots exist, their class and their priorities.
     assert {(i.slot_id, i.qos) for i in sampler.seen[-1]} == {
         ("web", "burstable"),
@@ -320,7 +322,7 @@ def test_metrics_collector_exports_the_loop() -> None:
     slots = [slot("web", "burstable"), slot("e1", "best-effort")]
     loop, _, sampler, _, clock = make_loop(slots, Series())
     step(loop, sampler, clock)
-    step(loop, sampler, clock, load(0.3, 1.5))
+    step(loop, sampler, clock, load(0.3, 1.5, host=0.1))
     registry = CollectorRegistry()
     registry.register(loop.collector())
     text = generate_latest(registry).decode()
@@ -328,7 +330,15 @@ def test_metrics_collector_exports_the_loop() -> None:
     assert 'nodeagent_qos_actions_total{action="evict"} 0.0' in text
     assert 'nodeagent_qos_best_effort_cpus{kind="quota"} 1.0' in text
     assert 'nodeagent_batch_capacity{resource="cpus"} 1.5' in text
-    assert 'nodeagent_qos_pool_cpu_usage{kind="online"}' in text
+    usage = {
+        kind: float(value)
+        for kind, value in re.findall(r'nodeagent_qos_pool_cpu_usage\{kind="(\w+)"\} (\S+)', text)
+    }
+    assert usage == {
+        "online": pytest.approx(0.3),
+        "best_effort": pytest.approx(1.5),
+        "host": pytest.approx(0.1),
+    }
     assert "nodeagent_qos_periods_total 2.0" in text
     assert "nodeagent_qos_loop_cpu_seconds_total" in text
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.isolation.colocation import (
+    BURSTABLE_GROUP,
     BestEffortSlot,
     ColocationConfig,
     Decision,
@@ -35,6 +36,9 @@ class Period:
 
     busy: Mapping[int, float] = field(default_factory=dict)  # per CPU, all work
     best_effort_cpu: float = 0.0  # CPUs the best-effort class used
+    #: CPUs the burstable class (the online slots on the pool) used; None: all the pool's use that
+    #: is not best-effort's (no host use beside the slots)
+    online_cpu: float | None = None
     slot_cpu: Mapping[str, float] = field(default_factory=dict)  # per best-effort slot
     online_stall: Mapping[str, float] | None = None  # resource -> share, per-group PSI (v2)
     node_stall: Mapping[str, float] = field(default_factory=dict)  # resource -> share
@@ -56,6 +60,8 @@ class Series:
     time: float = 100.0
     busy_ns: dict[int, int] = field(default_factory=dict)
     be_ns: int = 0
+    online_ns: int = 0
+    online_cpu_readable: bool = True  # False: the burstable class's CPU time reads as unknown
     slot_ns: dict[str, int] = field(default_factory=dict)
     slot_memory: dict[str, int] = field(default_factory=dict)
     online_us: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "memory": 0, "io": 0})
@@ -69,6 +75,11 @@ class Series:
             for cpu, share in period.busy.items():
                 self.busy_ns[cpu] = self.busy_ns.get(cpu, 0) + round(share * period.seconds * 1e9)
             self.be_ns += round(period.best_effort_cpu * period.seconds * 1e9)
+            online = period.online_cpu
+            if online is None:
+                pool_busy = sum(period.busy.get(cpu, 0.0) for cpu in self.pool)
+                online = max(0.0, pool_busy - period.best_effort_cpu)
+            self.online_ns += round(online * period.seconds * 1e9)
             for slot, share in period.slot_cpu.items():
                 self.slot_ns[slot] = self.slot_ns.get(slot, 0) + round(share * period.seconds * 1e9)
             for resource, share in (period.online_stall or {}).items():
@@ -104,7 +115,13 @@ class Series:
             memory_total=self.memory_total,
             memory_available=self.memory_total - self.memory_used,
             node_stall=Stall(**self.node_us),
-            online={"burstable": GroupUsage(cpu_ns=0, memory_bytes=self.online_memory, stall=stall)},
+            online={
+                BURSTABLE_GROUP: GroupUsage(
+                    cpu_ns=self.online_ns if self.online_cpu_readable else None,
+                    memory_bytes=self.online_memory,
+                    stall=stall,
+                )
+            },
             best_effort_cpu_ns=self.be_ns,
             best_effort=slots,
         )
@@ -120,18 +137,19 @@ def run(
     return decisions
 
 
-def load(online: float, best_effort: float, *, pool: Iterable[int] = (0, 1)) -> Period:
-    """A period with ``online`` CPUs of online work filling the pool from its low end and
-    best-effort's ``best_effort`` CPUs filling it from the high end (what fits)."""
+def load(online: float, best_effort: float, *, pool: Iterable[int] = (0, 1), host: float = 0.0) -> Period:
+    """A period with ``online`` CPUs of the online slots' work, then ``host`` CPUs of the host's
+    other work, filling the pool from its low end, and best-effort's ``best_effort`` CPUs filling
+    it from the high end (what fits)."""
     cpus = sorted(pool)
     busy = dict.fromkeys(cpus, 0.0)
-    for amount, order in ((online, cpus), (best_effort, list(reversed(cpus)))):
+    for amount, order in ((online + host, cpus), (best_effort, list(reversed(cpus)))):
         rest = amount
         for cpu in order:
             take = min(rest, 1.0 - busy[cpu])
             busy[cpu] += take
             rest -= take
-    return Period(busy=busy, best_effort_cpu=best_effort)
+    return Period(busy=busy, best_effort_cpu=best_effort, online_cpu=online)
 
 
 def sample_from_json(body: Mapping[str, Any]) -> Sample:

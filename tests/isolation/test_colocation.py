@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -13,6 +15,7 @@ from nodeagent.isolation.colocation import (
     BestEffortSlot,
     ColocationConfig,
     CpuLimit,
+    Decision,
     GroupUsage,
     LoopState,
     actions_by_slot,
@@ -127,13 +130,50 @@ def test_v1_uses_no_cpu_pressure_but_node_memory_pressure() -> None:
     assert last.state.cpu_limit == CpuLimit(F({1}), 1.0)
 
 
-def test_host_processes_on_the_pool_count_as_online_work() -> None:
-    # 0.8 CPU busy on CPU 0 and best-effort at 1.0: whatever is not best-effort is protected.
-    period = Period(busy={0: 0.8, 1: 1.0}, best_effort_cpu=1.0)
-    last = run(CONFIG, Series(), [period])[-1]
+def test_the_hosts_other_use_is_counted_apart_from_online_work() -> None:
+    # Online slots use 0.3 CPU and other tenants 0.9 of a 4-CPU pool: best-effort may use what
+    # the online slots leave (3.6 - 0.3), not what everything leaves (3.6 - 1.2).
+    series = Series(pool=F({0, 1, 2, 3}))
+    last = run(CONFIG, series, [load(0.3, 2.0, pool=range(4), host=0.9)])[-1]
+    assert last.measured is not None
+    assert last.measured.online_cpu == pytest.approx(0.3)
+    assert last.measured.host_cpu == pytest.approx(0.9)
+    assert last.measured.allowed_cpus == pytest.approx(4 * 0.9 - 0.3)
+    assert last.state.cpu_limit == CpuLimit(F({3, 2, 1}), 3.0)
+    assert last.batch is not None
+    assert last.batch.cpus == pytest.approx(4 * 0.9 - 0.3)
+
+
+def test_host_cpu_as_online_counts_everything_but_best_effort() -> None:
+    config = ColocationConfig(host_cpu_as_online=True)
+    series = Series(pool=F({0, 1, 2, 3}))
+    last = run(config, series, [load(0.3, 2.0, pool=range(4), host=0.9)])[-1]
+    assert last.measured is not None
+    assert last.measured.online_cpu == pytest.approx(1.2)
+    assert last.measured.host_cpu == pytest.approx(0.9)
+    assert last.state.cpu_limit == CpuLimit(F({3, 2}), 2.0)
+    assert "1.20 of 4 pool CPUs" in last.actions[0].reason
+
+
+def test_without_the_online_slots_own_cpu_time_the_host_counts_as_online() -> None:
+    # 0.8 CPU busy on CPU 0 and best-effort at 1.0, the burstable class unreadable: whatever is
+    # not best-effort is protected.
+    series = Series(online_cpu_readable=False)
+    period = Period(busy={0: 0.8, 1: 1.0}, best_effort_cpu=1.0, online_cpu=0.1)
+    last = run(CONFIG, series, [period])[-1]
     assert last.measured is not None
     assert last.measured.online_cpu == pytest.approx(0.8)
+    assert last.measured.host_cpu is None
     assert last.state.cpu_limit == CpuLimit(F({1}), 1.0)
+
+
+def test_the_slots_never_count_for_more_than_the_pools_use_beside_best_effort() -> None:
+    # The class's clock ran a little ahead of /proc/stat's ticks: online is capped, host is 0.
+    period = Period(busy={0: 0.5, 1: 1.0}, best_effort_cpu=1.0, online_cpu=0.52)
+    last = run(CONFIG, Series(), [period])[-1]
+    assert last.measured is not None
+    assert last.measured.online_cpu == pytest.approx(0.5)
+    assert last.measured.host_cpu == pytest.approx(0.0)
 
 
 def test_a_pool_that_shrinks_under_the_limit_moves_best_effort() -> None:
@@ -440,25 +480,34 @@ def test_config_errors_name_the_key(kwargs: dict, fragment: str) -> None:
 # --------------------------------------------------------------------------- a recorded series
 
 
-def test_recorded_series_from_a_loaded_host() -> None:
-    """bench/colocation.py --record on the 2-vCPU development VM, first round of the loop: an online
-    OIP worker under 100 req/s starting after the loop, best-effort CPU and bandwidth hogs, and the
-    host's other tenants taking what best-effort gives up (they count as online work)."""
-    samples = recorded("colocation-recorded")
+def _replay(config: ColocationConfig) -> list[Decision]:
     state = LoopState()
     decisions = []
-    for sample in samples:
-        decision = decide(CONFIG, state, sample)
+    for sample in recorded("colocation-recorded"):
+        decision = decide(config, state, sample)
         state = decision.state
         decisions.append(decision)
+    return decisions
+
+
+@pytest.mark.parametrize(
+    "config", [CONFIG, ColocationConfig(host_cpu_as_online=True)], ids=["apart", "as-online"]
+)
+def test_recorded_series_from_a_loaded_host(config: ColocationConfig) -> None:
+    """bench/colocation.py --record on the 2-vCPU development VM, first round of the loop: an online
+    OIP worker under 100 req/s starting after the loop, best-effort CPU and bandwidth hogs, and the
+    host's other tenants taking what best-effort gives up."""
+    decisions = _replay(config)
     measured = [d.measured for d in decisions]
     assert measured[0] is None
     assert all(m is not None for m in measured[1:])
-    # The first rated period already cuts best-effort to what online work leaves less the margin.
+    # The first rated period already cuts best-effort to what online work leaves less the margin
+    # (its cpuset whole CPUs of that, the quota no more than the cpuset holds).
     first = decisions[1]
     assert first.measured is not None
     assert [a.kind for a in first.actions] == ["cpu_suppress"]
-    assert first.actions[0].quota_cpus == pytest.approx(2 * 0.9 - first.measured.online_cpu, abs=0.011)
+    allowed = 2 * 0.9 - first.measured.online_cpu
+    assert first.actions[0].quota_cpus == pytest.approx(min(allowed, max(1, math.floor(allowed))), abs=0.011)
     # The kernel held best-effort to each period's quota (recorded use in the next period), and the
     # quota never let it into the margin above online use.
     limits = [d.state.cpu_limit for d in decisions]
@@ -474,6 +523,20 @@ def test_recorded_series_from_a_loaded_host() -> None:
         )
     # Steady load, no flapping: a handful of CPU actions over the whole series.
     assert sum(len(d.actions) for d in decisions) <= 8
+
+
+def test_recorded_other_tenants_no_longer_take_best_effort_s_allowance() -> None:
+    """The same recording: the host's other tenants used CPU in most periods; counted apart, they
+    leave best-effort a larger allowance than when they count as online work."""
+    apart, as_online = _replay(CONFIG), _replay(ColocationConfig(host_cpu_as_online=True))
+    hosts = [d.measured.host_cpu for d in apart[1:] if d.measured is not None]
+    assert all(h is not None for h in hosts)
+    assert statistics.median(h for h in hosts if h is not None) > 0.1
+
+    def mean_allowed(decisions: list[Decision]) -> float:
+        return statistics.fmean(d.measured.allowed_cpus for d in decisions[1:] if d.measured is not None)
+
+    assert mean_allowed(apart) > mean_allowed(as_online) + 0.1
 
 
 # --------------------------------------------------------------------------- when slots are read
