@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nodeagent.agent.nri import is_container_slot
 from nodeagent.cpulist import format_cpulist
 from nodeagent.errors import NodeAgentError, PlacementError
 from nodeagent.isolation.colocation import (
@@ -98,6 +99,7 @@ class QosLoop:
         self._clock = clock
         self._wall = wall
         self._state = LoopState()
+        self._online_outside = False  # online slots whose work runs outside their cgroup (NRI)
         self._infos: list[SlotInfo] = []
         self._dirty = True
         self._refreshed_at = -REFRESH_SECONDS
@@ -177,7 +179,10 @@ class QosLoop:
                 detail_due or needs_slot_detail(self.config, state, partial, priorities=priorities)
             ),
         )
-        decision = decide(self.config, self._state, sample)
+        config = self.config
+        if self._online_outside and not config.host_cpu_as_online:
+            config = replace(config, host_cpu_as_online=True)
+        decision = decide(config, self._state, sample)
         self._state = decision.state
         best_effort = [i.slot_id for i in infos if i.qos == "best-effort"]
         for action in decision.actions:
@@ -209,6 +214,10 @@ class QosLoop:
         # as an orphan, and a new exclusive slot group rewrites it.
         self.actuator.prepare_resctrl()
         self._infos = [self._info(s) for s in slots if s.holding and s.cgroup is not None]
+        # A Kubernetes container placed through NRI runs in the kubelet's cgroup, not its slot's:
+        # the burstable class's CPU time does not hold its use, which the loop can then tell from
+        # the host's only by counting both as online work.
+        self._online_outside = any(s.holding and s.qos == "burstable" and is_container_slot(s) for s in slots)
         return self._infos
 
     def _info(self, slot: Slot) -> SlotInfo:

@@ -210,6 +210,24 @@ def test_cpu_actions_are_carried_out_and_shown_on_every_best_effort_slot() -> No
     assert actuator.tended[-1] == ["e1", "e2"]
 
 
+def test_the_hosts_use_counts_as_online_while_a_kubernetes_burstable_container_holds_a_slot() -> None:
+    # An NRI container's work runs in the kubelet's cgroup: the burstable class does not see it,
+    # so the host's use (which holds it) counts as online while such a slot exists.
+    slots = [slot("nri-0123456789abcdef", "burstable"), slot("e1", "best-effort")]
+    loop, manager, sampler, _, clock = make_loop(slots, Series())
+    step(loop, sampler, clock)
+    step(loop, sampler, clock, load(0.0, 1.0, host=0.9))
+    assert loop.measured is not None
+    assert loop.measured.online_cpu == pytest.approx(0.9)
+    assert loop.state.cpu_limit is not None
+    assert loop.state.cpu_limit.quota == pytest.approx(0.9)
+    # Released: the host's use is the host's again.
+    manager.slots.pop("nri-0123456789abcdef")
+    loop._on_change()  # the manager's change notice
+    step(loop, sampler, clock, load(0.0, 1.0, host=0.9))
+    assert loop.measured.online_cpu == pytest.approx(0.0)
+
+
 def test_recent_actions_are_bounded() -> None:
     loop = make_loop([slot("e1", "best-effort")], Series())[0]
     action = Action("slot_cpu_quota", "e1", "x", quota_cpus=0.5)
