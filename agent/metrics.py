@@ -29,18 +29,26 @@ Series (all prefixed ``nodeagent_``):
   ``[api] header_timeout_s``), and ``api_accept_errors_total`` (``EMFILE`` and the like);
 - ``reporter_failures_total``, ``reporter_last_success_timestamp_seconds``;
 - ``scrape_errors_total{section}``: parts of a scrape that failed and were left out.
+
+The per-slot families (a few samples for each of hundreds of slots) are written to the text format
+here (:class:`SlotFamily`) rather than through prometheus-client's generic exposition, which
+checks and escapes every label name of every sample: at 500 slots that path and its sample
+objects were half of a scrape (issue 23). The output is the same text, byte for byte (tested
+against prometheus-client's); label values are escaped as the format requires and values are
+formatted by prometheus-client's own ``floatToGoString``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot, SlotState
@@ -76,9 +84,9 @@ class Metrics:
         self, service: SlotService | None = None, *, stats_provider: StatsProvider | None = None
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        # Registered first so that scrape errors it counts show up in the same scrape.
+        # Not in the registry: render() reads the service first, so that scrape errors it counts
+        # show up in the same scrape, and writes its per-slot families itself.
         self._collector = _ServiceCollector(self)
-        self.registry.register(self._collector)
         self.api_request_duration = Histogram(
             f"{PREFIX}_api_request_duration_seconds",
             "Time to answer an API request, by method, route template and status.",
@@ -125,36 +133,85 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        families, per_slot = self._collector.scrape()
+        body = generate_latest(_Families(families)) + "".join(f.text() for f in per_slot).encode()
+        return body + generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class _ServiceCollector(Collector):
+class _Families(Collector):
+    """Families already built, for prometheus-client's exposition."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+class SlotFamily:
+    """One family with a sample per slot (labels ``name``, ``slot`` and optionally one more),
+    written as prometheus-client's ``generate_latest`` writes it (see the module docstring)."""
+
+    def __init__(
+        self, name: str, kind: Literal["counter", "gauge"], documentation: str, extra_label: str | None = None
+    ) -> None:
+        self.sample_name = f"{name}_total" if kind == "counter" else name
+        help_text = documentation.replace("\\", r"\\").replace("\n", r"\n")
+        self._header = f"# HELP {self.sample_name} {help_text}\n# TYPE {self.sample_name} {kind}\n"
+        self._extra = extra_label
+        # The exposition sorts a sample's labels by name.
+        self._order = tuple(sorted(("name", "slot", *((extra_label,) if extra_label else ()))))
+        self._lines: list[str] = []
+
+    def add(self, slot: Slot, value: float, extra: str = "") -> None:
+        values = {"name": slot.name, "slot": slot.id}
+        if self._extra is not None:
+            values[self._extra] = extra
+        labels = ",".join(f'{key}="{_label_value(values[key])}"' for key in self._order)
+        self._lines.append(f"{self.sample_name}{{{labels}}} {_go_float(value)}\n")
+
+    def text(self) -> str:
+        return self._header + "".join(self._lines)
+
+
+def _go_float(value: float) -> str:
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]  # the library's, untyped
+    return text
+
+
+def _label_value(value: str) -> str:
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
+
+
+class _ServiceCollector:
+    """What a scrape reads from the service: families of node-wide figures, and the per-slot ones."""
+
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.service: SlotService | None = None
         self.stats_provider: StatsProvider | None = None
 
-    def describe(self) -> list[Metric]:
-        # Series depend on the live state: describing nothing keeps registration free of a scrape.
-        return []
-
-    def collect(self) -> Iterator[Metric]:
+    def scrape(self) -> tuple[list[Metric], list[SlotFamily]]:
         service = self.service
         if service is None:
-            return
-        yield from self._section("node", lambda: _node_metrics(service))
+            return [], []
+        families = self._section("node", lambda: _node_metrics(service))
         # Capacity first: it reads every slot too, and its copy is gone before the listing below
         # is made, so a scrape holds one copy of the slots at a time (a lower high-water mark).
-        capacity = self._section("capacity", lambda: _capacity_metrics(service.capacity()))
+        families += self._section("capacity", lambda: _capacity_metrics(service.capacity()))
         slots = self._guarded("slots", service.list_slots)
-        if slots is not None:
-            yield from _slot_metrics(slots)
-        yield from capacity
-        if slots is not None and self.stats_provider is not None:
+        if slots is None:
+            return families, []
+        families += _slot_counts(slots)
+        per_slot = _per_slot_metrics(slots)
+        if self.stats_provider is not None:
             prepare = getattr(self.stats_provider, "prepare", None)
             if callable(prepare):
                 prepare(slots)
-            yield from _usage_metrics(slots, self.stats_provider, self.metrics.scrape_errors)
+            per_slot += _usage_metrics(slots, self.stats_provider, self.metrics.scrape_errors)
+        return families, per_slot
 
     def _section(self, name: str, build: Callable[[], list[Metric]]) -> list[Metric]:
         return self._guarded(name, build) or []
@@ -211,24 +268,14 @@ def _host_metrics(status: Mapping[str, Any] | None) -> list[Metric]:
     return [active, confined, immovable]
 
 
-def _slot_metrics(slots: list[Slot]) -> list[Metric]:
+def _slot_counts(slots: list[Slot]) -> list[Metric]:
     counts = {(str(state), qos): 0 for state in SlotState for qos in QOS_CLASSES}
-    restarts = CounterMetricFamily(
-        f"{PREFIX}_worker_restarts", "Times the agent restarted a slot's worker.", labels=("slot", "name")
-    )
     phases = {(str(phase), qos): 0 for phase in Phase for qos in QOS_CLASSES}
-    worker_phase = GaugeMetricFamily(
-        f"{PREFIX}_slot_worker_phase",
-        "1 for each slot's worker in its current phase (a crash loop shows here, not in the slot's state).",
-        labels=("slot", "name", "phase"),
-    )
     for slot in slots:
         key = (str(slot.state), slot.qos)
         counts[key] = counts.get(key, 0) + 1
         if slot.worker is not None:
-            restarts.add_metric((slot.id, slot.name), slot.worker.restarts)
             phases[(str(slot.worker.phase), slot.qos)] += 1
-            worker_phase.add_metric((slot.id, slot.name, str(slot.worker.phase)), 1)
     by_state = GaugeMetricFamily(f"{PREFIX}_slots", "Slots by state and QoS class.", labels=("state", "qos"))
     for (state, qos), n in sorted(counts.items()):
         by_state.add_metric((state, qos), n)
@@ -237,33 +284,43 @@ def _slot_metrics(slots: list[Slot]) -> list[Metric]:
     )
     for (phase, qos), n in sorted(phases.items()):
         by_phase.add_metric((phase, qos), n)
-    return [by_state, by_phase, worker_phase, restarts, *_foreign_metrics(slots)]
+    return [by_state, by_phase]
 
 
-def _foreign_metrics(slots: list[Slot]) -> list[Metric]:
-    labels = ("slot", "name")
-    seconds = CounterMetricFamily(
+def _per_slot_metrics(slots: list[Slot]) -> list[SlotFamily]:
+    worker_phase = SlotFamily(
+        f"{PREFIX}_slot_worker_phase",
+        "gauge",
+        "1 for each slot's worker in its current phase (a crash loop shows here, not in the slot's state).",
+        extra_label="phase",
+    )
+    restarts = SlotFamily(
+        f"{PREFIX}_worker_restarts", "counter", "Times the agent restarted a slot's worker."
+    )
+    seconds = SlotFamily(
         f"{PREFIX}_slot_foreign_cpu_seconds",
+        "counter",
         "CPU time spent on a guaranteed slot's CPUs by anything that is not the slot (interrupts included).",
-        labels=labels,
     )
-    irq = CounterMetricFamily(
+    irq = SlotFamily(
         f"{PREFIX}_slot_foreign_irq_seconds",
+        "counter",
         "Of that, time handling hard and soft interrupts on the slot's CPUs.",
-        labels=labels,
     )
-    fraction = GaugeMetricFamily(
+    fraction = SlotFamily(
         f"{PREFIX}_slot_foreign_cpu_fraction",
+        "gauge",
         "Foreign CPU time as a fraction of the slot's CPU capacity since the agent first measured it.",
-        labels=labels,
     )
     for slot in slots:
+        if slot.worker is not None:
+            restarts.add(slot, slot.worker.restarts)
+            worker_phase.add(slot, 1, str(slot.worker.phase))
         if slot.foreign_cpu is not None:
-            key = (slot.id, slot.name)
-            seconds.add_metric(key, slot.foreign_cpu.seconds)
-            irq.add_metric(key, slot.foreign_cpu.irq_seconds)
-            fraction.add_metric(key, slot.foreign_cpu.fraction)
-    return [seconds, irq, fraction]
+            seconds.add(slot, slot.foreign_cpu.seconds)
+            irq.add(slot, slot.foreign_cpu.irq_seconds)
+            fraction.add(slot, slot.foreign_cpu.fraction)
+    return [worker_phase, restarts, seconds, irq, fraction]
 
 
 def _capacity_metrics(capacity: Mapping[str, Any]) -> list[Metric]:
@@ -316,30 +373,23 @@ def _kinds(figures: Any) -> list[tuple[str, float]]:
     ]
 
 
-def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) -> list[Metric]:
-    labels = ("slot", "name")
-    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-        "cpu": CounterMetricFamily(
-            f"{PREFIX}_slot_cpu_usage_seconds", "CPU time used by the slot.", labels=labels
+def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) -> list[SlotFamily]:
+    families = {
+        "cpu": SlotFamily(f"{PREFIX}_slot_cpu_usage_seconds", "counter", "CPU time used by the slot."),
+        "throttled_periods": SlotFamily(
+            f"{PREFIX}_slot_cpu_throttled_periods", "counter", "CFS periods in which the slot was throttled."
         ),
-        "throttled_periods": CounterMetricFamily(
-            f"{PREFIX}_slot_cpu_throttled_periods",
-            "CFS periods in which the slot was throttled.",
-            labels=labels,
+        "throttled": SlotFamily(
+            f"{PREFIX}_slot_cpu_throttled_seconds", "counter", "Time the slot spent throttled."
         ),
-        "throttled": CounterMetricFamily(
-            f"{PREFIX}_slot_cpu_throttled_seconds", "Time the slot spent throttled.", labels=labels
-        ),
-        "memory": GaugeMetricFamily(
-            f"{PREFIX}_slot_memory_bytes", "Memory the slot uses now.", labels=labels
-        ),
-        "peak": GaugeMetricFamily(
-            f"{PREFIX}_slot_memory_peak_bytes", "Most memory the slot has used.", labels=labels
-        ),
-        "oom_kills": CounterMetricFamily(
-            f"{PREFIX}_slot_oom_kills", "Processes the kernel's OOM killer killed in the slot.", labels=labels
+        "memory": SlotFamily(f"{PREFIX}_slot_memory_bytes", "gauge", "Memory the slot uses now."),
+        "peak": SlotFamily(f"{PREFIX}_slot_memory_peak_bytes", "gauge", "Most memory the slot has used."),
+        "oom_kills": SlotFamily(
+            f"{PREFIX}_slot_oom_kills", "counter", "Processes the kernel's OOM killer killed in the slot."
         ),
     }
+    cpu, throttled_periods, throttled = families["cpu"], families["throttled_periods"], families["throttled"]
+    memory, peak, oom_kills = families["memory"], families["peak"], families["oom_kills"]
     for slot in slots:
         try:
             stats = provider(slot.id)
@@ -350,17 +400,16 @@ def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) 
             continue
         if stats is None:
             continue
-        key = (slot.id, slot.name)
         for family, value in (
-            ("cpu", _seconds(stats.cpu_usage_ns)),
-            ("throttled_periods", stats.cpu_throttled_periods),
-            ("throttled", _seconds(stats.cpu_throttled_ns)),
-            ("memory", stats.memory_current),
-            ("peak", stats.memory_peak),
-            ("oom_kills", stats.oom.oom_kill),
+            (cpu, _seconds(stats.cpu_usage_ns)),
+            (throttled_periods, stats.cpu_throttled_periods),
+            (throttled, _seconds(stats.cpu_throttled_ns)),
+            (memory, stats.memory_current),
+            (peak, stats.memory_peak),
+            (oom_kills, stats.oom.oom_kill),
         ):
             if value is not None:
-                families[family].add_metric(key, value)
+                family.add(slot, value)
     return list(families.values())
 
 

@@ -1,16 +1,23 @@
 """A scrape hands the slots it listed to a stats provider that wants them (``prepare``), before it
-asks for any slot's figures; the daemon's provider then needs no lookup per slot."""
+asks for any slot's figures; the daemon's provider then needs no lookup per slot. The per-slot
+families the agent writes itself are the text prometheus-client would have written."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 from nodeagent.agent.daemon import SlotStats
-from nodeagent.agent.metrics import Metrics
-from nodeagent.agent.slot import Slot
+from nodeagent.agent.metrics import Metrics, SlotFamily
+from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from nodeagent.schema.request import parse_slot_request
 from tests.agent.fake_service import FakeSlotService
@@ -74,3 +81,54 @@ def test_slot_stats_takes_each_slots_cgroup_from_the_scrapes_listing_and_looks_u
     assert manager.lookups == []
     assert stats(unlisted.id) is None
     assert manager.lookups == [unlisted.id]
+
+
+# --------------------------------------------------------------------------- per-slot families as text
+
+
+def _slot(slot_id: str, name: str) -> Slot:
+    return Slot(
+        id=slot_id,
+        name=name,
+        state=SlotState.RUNNING,
+        request=parse_slot_request({"name": "a", "qos": "best-effort"}),
+        assignment=None,
+    )
+
+
+def _library_text(kind: str, rows: list[tuple[Slot, float, str]], extra: str | None) -> str:
+    labels = ("slot", "name", *((extra,) if extra else ()))
+    family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+        "nodeagent_x", 'Help with a \\ backslash, "quotes" and\na newline.', labels=labels
+    )
+    for slot, value, extra_value in rows:
+        family.add_metric((slot.id, slot.name, *((extra_value,) if extra else ())), value)
+
+    class One(Collector):
+        def collect(self) -> Iterator[Metric]:
+            yield family
+
+    return generate_latest(One()).decode()
+
+
+LABEL_TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=12)
+VALUES = st.one_of(
+    st.integers(min_value=0, max_value=2**63),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(["counter", "gauge"]),
+    extra=st.sampled_from([None, "phase"]),
+    rows=st.lists(st.tuples(LABEL_TEXT, LABEL_TEXT, VALUES, LABEL_TEXT), max_size=5),
+)
+def test_a_slot_family_is_written_as_prometheus_client_writes_it(
+    kind: str, extra: str | None, rows: list[tuple[str, str, float, str]]
+) -> None:
+    samples = [(_slot(slot_id, name), value, extra_value) for slot_id, name, value, extra_value in rows]
+    family = SlotFamily("nodeagent_x", kind, 'Help with a \\ backslash, "quotes" and\na newline.', extra)  # type: ignore[arg-type]
+    for slot, value, extra_value in samples:
+        family.add(slot, value, extra_value)
+    assert family.text() == _library_text(kind, samples, extra)
