@@ -832,9 +832,7 @@ class SlotManager:
 
     def standby_slots(self, pool: str | None = None) -> list[Slot]:
         """Standby slots (of ``pool``, or of any), starting or frozen, with their worker's status."""
-        return [
-            self._view(s) for s in self._store.list_slots() if s.pool is not None and pool in (None, s.pool)
-        ]
+        return [self._view(s) for s in self._store.list_slots(pooled=True) if pool in (None, s.pool)]
 
     def freeze_standby(self, slot_id: str) -> Slot:
         """A standby whose worker is ready: stop supervising it (a frozen worker answers no probe),

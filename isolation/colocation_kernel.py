@@ -128,12 +128,19 @@ class Sampler:
         self._last_files: dict[tuple[str, str], cgroupfs.CgroupFile] = {}
         self._dirs: dict[str, cgroupfs.CgroupDir] = {}
         self._last_dirs: dict[str, cgroupfs.CgroupDir] = {}
+        # The best-effort slots as a period that does not read them lists them, kept while the
+        # caller hands over the same sequence of slots (the loop keeps its list until a change):
+        # building 500 of them every second was a third of an idle agent's CPU (issue 23).
+        self._unread_for: Sequence[SlotInfo] | None = None
+        self._unread: tuple[BestEffortSlot, ...] = ()
 
     def sample(
         self, slots: Sequence[SlotInfo], now: float, *, read_slots: Callable[[Sample], bool] | bool = True
     ) -> Sample:
         """The node, the online groups and the best-effort class, then each best-effort slot's
-        cgroup when ``read_slots`` is true or says so of the sample read so far."""
+        cgroup when ``read_slots`` is true or says so of the sample read so far. A caller whose
+        slots changed hands over a new sequence (an unread period reuses what it listed for the
+        same sequence object)."""
         # Checked paths of the cgroups read last period; what this period does not read again
         # (released slots) is dropped with the old dictionaries.
         self._last_files, self._files = self._files, {}
@@ -151,7 +158,7 @@ class Sampler:
             node_stall=self._node_stall(),
             online=self._online(slots),
             best_effort_cpu_ns=best_effort_class.cpu_ns,
-            best_effort=tuple(self._best_effort(s, read=False) for s in slots if s.qos == "best-effort"),
+            best_effort=self._unread_slots(slots),
             best_effort_memory_bytes=best_effort_class.memory_bytes,
             slots_read=False,
         )
@@ -165,6 +172,12 @@ class Sampler:
             best_effort=tuple(self._best_effort(s, read=True) for s in slots if s.qos == "best-effort"),
             slots_read=True,
         )
+
+    def _unread_slots(self, slots: Sequence[SlotInfo]) -> tuple[BestEffortSlot, ...]:
+        if slots is not self._unread_for:
+            self._unread = tuple(self._best_effort(s, read=False) for s in slots if s.qos == "best-effort")
+            self._unread_for = slots  # held, so that its identity cannot be another list's
+        return self._unread
 
     def group(
         self, relpath: str, *, cpu: bool = True, memory: bool = True, pressure: bool = False
