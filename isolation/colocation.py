@@ -85,7 +85,7 @@ THROTTLE_FLOOR_BYTES = 16 << 20
 
 #: A period reads every best-effort slot's cgroup at least this often (the batch figures, and a
 #: slot's usage for the next decision that needs it), and whenever :func:`needs_slot_detail` says so.
-SLOT_DETAIL_EVERY = 10
+SLOT_DETAIL_EVERY = 30
 #: Node memory this many points below where throttling would be let go already reads every slot.
 SLOT_DETAIL_MARGIN_POINTS = 5.0
 
@@ -168,12 +168,14 @@ class _Rates:
         }
         pool_busy = sum(busy.get(cpu, 0.0) for cpu in now.pool)
         best_effort = _rate(before.best_effort_cpu_ns, now.best_effort_cpu_ns, dt_ns) or 0.0
-        old_slots = {s.slot_id: s for s in before.best_effort}
-        slot_cpu = {
-            s.slot_id: _rate(old_slots[s.slot_id].usage.cpu_ns, s.usage.cpu_ns, dt_ns) or 0.0
-            for s in now.best_effort
-            if s.slot_id in old_slots
-        }
+        slot_cpu: dict[str, float] = {}
+        if before.slots_read and now.slots_read:  # else no slot has two readings: every rate is 0
+            old_slots = {s.slot_id: s for s in before.best_effort}
+            slot_cpu = {
+                s.slot_id: _rate(old_slots[s.slot_id].usage.cpu_ns, s.usage.cpu_ns, dt_ns) or 0.0
+                for s in now.best_effort
+                if s.slot_id in old_slots
+            }
         not_best_effort = max(0.0, pool_busy - best_effort)
         old_class, new_class = before.online.get(BURSTABLE_GROUP), now.online.get(BURSTABLE_GROUP)
         slots = (
@@ -348,6 +350,8 @@ def _priority_quotas(
     """With two or more priorities, each level's quota is what the levels above leave."""
     slots = [s for s in sample.best_effort if not s.evicted]
     levels = sorted({s.priority for s in slots}, reverse=True)
+    if len(levels) < 2 and not state.slot_quota:
+        return state, []  # one priority and no quota to lift: nothing to do for any slot
     wanted: dict[str, float | None] = {}
     if len(levels) >= 2:
         remaining = allowed

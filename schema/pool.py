@@ -52,6 +52,8 @@ def is_standby_name(name: str) -> bool:
 
 def standby_pool(name: str) -> str | None:
     """The pool a standby slot of this name belongs to; None for any other name."""
+    if not name.startswith("pool."):
+        return None  # most names, asked every second of every slot: no regular expression
     found = STANDBY_NAME.fullmatch(name)
     return None if found is None else found.group(1)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nodeagent.agent.qos_loop import RECENT_ACTIONS, QosLoop
+from nodeagent.agent.qos_loop import RECENT_ACTIONS, REFRESH_SECONDS, QosLoop
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.errors import CgroupError, NotFound, PlacementError
 from nodeagent.isolation.colocation import Action, ColocationConfig, GroupUsage, Sample
@@ -387,12 +387,12 @@ def test_slot_list_is_read_again_on_change_notices_only() -> None:
     step(loop, sampler, clock)
     assert calls == [1]
     assert len(actuator.tended) == tended + 1
-    clock.now += 10.0  # and at least every REFRESH_SECONDS
+    clock.now += REFRESH_SECONDS  # and at least every REFRESH_SECONDS
     step(loop, sampler, clock)
     assert calls == [1, 1]
 
 
-def test_calm_periods_read_the_slots_only_every_tenth_period_and_when_memory_nears_the_line() -> None:
+def test_calm_periods_read_the_slots_only_every_slot_detail_period_and_when_memory_nears_the_line() -> None:
     from nodeagent.isolation.colocation import SLOT_DETAIL_EVERY, BestEffortSlot
 
     slots = [slot("e1", "best-effort"), slot("e2", "best-effort")]
