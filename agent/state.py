@@ -573,7 +573,7 @@ class StateStore:
     def list_slots(self, *, pooled: bool = False) -> list[Slot]:
         """Every slot, oldest first; ``pooled``: only warm pools' standbys (the pools' loop asks every
         second, and sorting 500 slots to keep none was most of its idle cost)."""
-        slots = self._visible().values()
+        slots: Iterable[Slot] = self._visible().values()
         if pooled:
             slots = [slot for slot in slots if slot.pool is not None]
         return sorted(slots, key=lambda slot: (slot.created_at, slot.id))
