@@ -51,7 +51,8 @@ class SlotModel(BaseModel):
     qos_actions: list[dict[str, Any]] = Field(
         default_factory=list,
         description="Recent actions of the QoS loop on this slot, newest last (at most 20): action "
-        "(cpu_suppress, cpu_release, slot_cpu_quota, memory_throttle, memory_unthrottle, evict, restore), "
+        "(cpu_suppress, cpu_release, slot_cpu_quota, memory_throttle, memory_unthrottle, evict, restore, "
+        "resctrl_narrow, resctrl_wide), "
         "reason, at (unix time), seq, and the values written (cpus, quota_cpus, memory_high, memory_bytes).",
     )
     qos_evicted: bool = Field(

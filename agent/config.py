@@ -199,6 +199,9 @@ class QosConfig:
     best_effort_admission: str = "allocatable"  #: or "batch": bound best-effort allocations by batch
     best_effort_l3_share: float = 0.1  #: best-effort's share of the L3 cache where resctrl exists
     best_effort_mb_percent: int = 20  #: best-effort's memory bandwidth percentage where MBA exists
+    #: where there is no MBA but the CPU counts cache misses: the memory traffic (MB/s) best-effort
+    #: slots may cause while online work runs; a slot that would cause more has its CPU cut (0: off)
+    best_effort_bandwidth_mb_per_s: float = 1000.0
 
 
 @dataclass(frozen=True)
@@ -298,6 +301,7 @@ class AgentConfig:
             memory_pressure_threshold=q.memory_pressure_threshold,
             restore_after_seconds=q.restore_after_seconds,
             batch_window_seconds=q.batch_window_seconds,
+            best_effort_bandwidth_mb_per_s=q.best_effort_bandwidth_mb_per_s,
         )
 
     def placement_options(self) -> PlacementOptions:

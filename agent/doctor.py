@@ -48,6 +48,14 @@ class Check:
     hint: str = ""
 
 
+def _default_cache_miss_probe() -> str | None:
+    """Open the CPU's last-level cache-miss counter on this thread and close it; None when that
+    works, else why not (a VM without a virtual PMU says no hardware counters)."""
+    from nodeagent.isolation.memory_traffic import LLC_MISSES, probe  # noqa: PLC0415 - ctypes, only here
+
+    return probe(LLC_MISSES)
+
+
 def _default_bpf_probe() -> str | None:
     """Load a trivial cgroup device program and close it; None when that works, else why not."""
     try:
@@ -95,6 +103,7 @@ class HostRoots:
     fs: Path = Path("/")  # prefix for mount points read from mountinfo
     euid: int = field(default_factory=os.geteuid)
     bpf_probe: Callable[[], str | None] = _default_bpf_probe
+    cache_miss_probe: Callable[[], str | None] = _default_cache_miss_probe
     firewall_probe: Callable[[], str | None] = _default_firewall_probe
     sandbox_probe: Callable[[], dict[str, str]] = _default_sandbox_probe
     podman_probe: Callable[[str], PodmanFacts] = podman_facts
@@ -476,6 +485,36 @@ def check_resctrl(roots: HostRoots) -> Check:
     return Check(name, "OK", f"{', '.join(parts)}; {support.num_closids} CLOSIDs", support.reason)
 
 
+def check_bandwidth_proxy(roots: HostRoots) -> Check:
+    """How best-effort's memory bandwidth is held while online work runs: resctrl MBA where the
+    host has it, else the QoS loop's CPU cut of bandwidth hogs where cache misses can be counted."""
+    name = "best-effort memory bandwidth"
+    try:
+        support = Resctrl(root=roots.sys / "fs/resctrl", proc_root=roots.proc).detect()
+    except NodeAgentError:
+        support = None
+    if support is not None and support.mounted and support.mb is not None:
+        return Check(name, "OK", "resctrl MBA holds best-effort's share ([qos] best_effort_mb_percent)")
+    reason = roots.cache_miss_probe()
+    if reason is None:
+        return Check(
+            name,
+            "OK",
+            "no resctrl MBA; the QoS loop counts each best-effort slot's last-level cache misses and cuts "
+            "the CPU of slots whose traffic would exceed [qos] best_effort_bandwidth_mb_per_s while "
+            "online work runs",
+        )
+    return Check(
+        name,
+        "WARN",
+        f"no resctrl MBA and no cache-miss counter ({reason}): a best-effort slot's memory traffic is "
+        "bounded only by its CPU allowance",
+        "on a VM, expose the CPU's performance counters to the guest (a virtual PMU, e.g. libvirt "
+        "<cpu mode='host-passthrough'> with <pmu state='on'/>); on bare metal, boot with a kernel "
+        "that has CONFIG_PERF_EVENTS and the CPU's PMU driver",
+    )
+
+
 def check_psi(roots: HostRoots) -> Check:
     if roots.procfs.read_text("pressure/cpu") is None:
         return Check(
@@ -777,6 +816,7 @@ def run_checks(roots: HostRoots | None = None) -> list[Check]:
     for name, fn in (
         ("FPGAs", check_fpgas),
         ("cache/memory-bandwidth isolation", check_resctrl),
+        ("best-effort memory bandwidth", check_bandwidth_proxy),
         ("PSI", check_psi),
         ("isolcpus", check_isolcpus),
         ("exclusive CPU noise", check_unmovable),

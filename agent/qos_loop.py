@@ -51,6 +51,7 @@ from nodeagent.isolation.colocation import (
     needs_slot_detail,
 )
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
+from nodeagent.isolation.memory_traffic import LLC_MISSES, MemoryTraffic, probe
 from nodeagent.runtime.supervisor import ALIVE_PHASES
 from nodeagent.schema.request import MILLI, SlotRequest
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from nodeagent.agent.config import AgentConfig
     from nodeagent.agent.manager import SlotManager
     from nodeagent.agent.slot import Slot
+    from nodeagent.isolation.resctrl import Resctrl
 
 log = logging.getLogger("nodeagent.qos")
 
@@ -141,6 +143,8 @@ class QosLoop:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(10)
+        if self.sampler.traffic is not None:
+            self.sampler.traffic.close()  # the cache-miss counters of best-effort's processes
 
     def _run(self) -> None:
         period = self.config.period_seconds
@@ -183,6 +187,8 @@ class QosLoop:
                 detail_due or needs_slot_detail(self.config, state, partial, priorities=priorities)
             ),
         )
+        if self.actuator.resctrl_ready:
+            sample = replace(sample, resctrl_group=True)  # its share follows online load
         config = self.config
         if self._online_outside and not config.host_cpu_as_online:
             config = replace(config, host_cpu_as_online=True)
@@ -369,6 +375,13 @@ class QosLoop:
             # The pool's use by neither class in the last period: not subtracted from batch unless
             # host_cpu_as_online says so (docs/colocation.md).
             body["host_used"] = {"cpus": None if measured.host_cpu is None else round(measured.host_cpu, 3)}
+        if self.sampler.traffic is not None:
+            # The bandwidth proxy's input (no MBA): null in periods that did not read the slots.
+            traffic = None if measured is None else measured.best_effort_traffic
+            body["best_effort_memory_traffic"] = {
+                "bytes_per_second": None if traffic is None else round(traffic),
+                "budget_bytes_per_second": round(self.config.best_effort_bandwidth_mb_per_s * 1e6),
+            }
         return body
 
     def slot_view(self, slot_id: str) -> tuple[tuple[dict[str, Any], ...], bool]:
@@ -484,6 +497,14 @@ class _QosCollector(Collector):
                 if value is not None:
                     pressure.add_metric((resource,), value)
             yield pressure
+            if measured.best_effort_traffic is not None:
+                traffic = GaugeMetricFamily(
+                    f"{prefix}_best_effort_memory_traffic_bytes_per_second",
+                    "Best-effort slots' memory traffic in the last period that read them (last-level cache "
+                    "misses times the line size; where the host has no MBA).",
+                )
+                traffic.add_metric((), measured.best_effort_traffic)
+                yield traffic
             memory = GaugeMetricFamily(f"{prefix}_node_memory_used_percent", "Node memory in use (percent).")
             memory.add_metric((), measured.memory_used_percent)
             yield memory
@@ -522,7 +543,13 @@ def build_qos_loop(config: AgentConfig, manager: SlotManager) -> QosLoop | None:
         return None
     topology = manager.topology()
     core_of: Mapping[int, int] = {cpu.id: cpu.core for cpu in topology.cpus}
-    sampler = Sampler(isolator.host, isolator.hierarchy, allowed=isolator.pool.allowed, core_of=core_of)
+    sampler = Sampler(
+        isolator.host,
+        isolator.hierarchy,
+        allowed=isolator.pool.allowed,
+        core_of=core_of,
+        traffic=_memory_traffic(config, isolator.resctrl),
+    )
     actuator = Actuator(
         isolator,
         resctrl=isolator.resctrl,
@@ -539,6 +566,26 @@ def build_qos_loop(config: AgentConfig, manager: SlotManager) -> QosLoop | None:
         admission=config.qos.best_effort_admission,
         best_effort_overcommit=config.placement.best_effort_overcommit,
     )
+
+
+def _memory_traffic(config: AgentConfig, resctrl: Resctrl | None) -> MemoryTraffic | None:
+    """Cache-miss counters for the bandwidth proxy, where the host has no MBA to hold best-effort's
+    bandwidth itself and its CPU can count; None elsewhere (``nodeagent doctor`` says which)."""
+    if config.qos.best_effort_bandwidth_mb_per_s <= 0:
+        return None
+    if resctrl is not None:
+        try:
+            support = resctrl.detect()
+        except NodeAgentError:
+            support = None
+        if support is not None and support.mounted and support.mb is not None:
+            return None  # best-effort's resctrl group holds its share
+    reason = probe(LLC_MISSES)
+    if reason is not None:
+        log.info("qos: best-effort memory bandwidth is bounded only by its CPU allowance: %s", reason)
+        return None
+    log.info("qos: no MBA; best-effort slots' memory traffic counted from cache misses")
+    return MemoryTraffic()
 
 
 __all__ = ["RECENT_ACTIONS", "QosLoop", "build_qos_loop"]

@@ -28,6 +28,27 @@ threshold cuts best-effort to ``min_cpus`` at once and holds it there for ``cpu_
 With two or more priorities among best-effort slots, each priority level gets as quota what the
 levels above it leave (their use plus headroom).
 
+Memory bandwidth. Where resctrl has MBA, best-effort's shared group holds its bandwidth share and
+none of this applies. Where it has not but the CPU counts cache misses (``Sample.traffic_counted``),
+CPU is the proxy: while online work runs (its peak over the release periods at least
+``BANDWIDTH_ONLINE_CPUS``, or online pressure in that window), a slot whose traffic per
+CPU-second of its own, times best-effort's CPU allowance, exceeds
+``best_effort_bandwidth_mb_per_s`` is a *bandwidth hog*, and each of the N hogs gets the quota
+that keeps it at 1/N of that budget::
+
+    intensity = traffic / cpu                                           (bytes per CPU-second)
+    hog       = intensity * allowed > budget   (> 0.8 * budget while already cut: no flapping)
+    quota     = budget / N / intensity, at least min_cpus
+
+Where resctrl exists, best-effort's shared group has the small share (``best_effort_l3_share``,
+``best_effort_mb_percent``) while online work runs, by the same measure as above or online
+pressure in the release window, and the default group's whole cache and bandwidth while it is
+idle (``resctrl_narrow``, ``resctrl_wide``): in the first period of online load, and back after
+``cpu_release_periods`` quiet periods.
+
+Intensity does not fall when the slot is cut (its traffic falls with its CPU), so the cut holds
+until the work changes or online work stops; a period in which a cut slot barely ran keeps its cut.
+
 Memory. Node memory used at or above ``memory_throttle_percent`` holds every best-effort slot at
 its current size (memory.high, the soft limit on v1); below the threshold by 5 points it is lifted.
 At ``memory_evict_percent`` (or online memory pressure at ``memory_pressure_threshold``)
@@ -79,6 +100,13 @@ PRIORITY_HEADROOM_FACTOR = 1.25
 PRIORITY_HEADROOM_CPUS = 0.05
 #: The least memory.high a throttled slot is held at (a slot this small costs nothing to keep).
 THROTTLE_FLOOR_BYTES = 16 << 20
+#: Online work at or above this many CPUs (its peak over the release periods) is what the
+#: bandwidth proxy protects; below it best-effort's memory traffic is let be.
+BANDWIDTH_ONLINE_CPUS = 0.1
+#: A cut slot stays cut while its projected traffic is above this share of the budget.
+BANDWIDTH_RELEASE_SHARE = 0.8
+#: A slot's traffic per CPU-second is trusted from periods in which it used at least this much CPU.
+BANDWIDTH_MIN_CPU = 0.01
 
 # --------------------------------------------------------------------------- the decision
 
@@ -95,12 +123,15 @@ def needs_slot_detail(config: ColocationConfig, state: LoopState, sample: Sample
     throttle line or online memory pressure (throttling and eviction pick slots by their size),
     slots throttled, evicted or under per-priority quotas (their release, restore and quotas),
     or ``priorities`` levels among best-effort slots of two or more (the quotas follow each
-    slot's CPU use). Otherwise the class totals decide it all: at 500 idle best-effort slots,
+    slot's CPU use), or the memory bandwidth proxy at work (online work running and traffic
+    counted). Otherwise the class totals decide it all: at 500 idle best-effort slots,
     reading two files of each every period was most of the agent's idle CPU (issue 23).
 
     ``sample`` is the period's sample before the slots are read (node and class figures)."""
     if state.throttled or state.evicted or state.slot_quota or priorities >= 2:
         return True
+    if _bandwidth_watched(config, state, sample):
+        return True  # the proxy needs each slot's traffic and CPU in consecutive periods
     line = config.memory_throttle_percent - MEMORY_HYSTERESIS_POINTS - SLOT_DETAIL_MARGIN_POINTS
     if _used_percent(sample) >= line:
         return True
@@ -125,6 +156,8 @@ def decide(config: ColocationConfig, state: LoopState, sample: Sample) -> Decisi
         rates = _Rates.of(previous, sample, dt, host_as_online=config.host_cpu_as_online)
         state, cpu_actions, allowed = _cpu(config, state, sample, rates)
         actions += cpu_actions
+        state, share_actions = _resctrl_share(state, sample)
+        actions += share_actions
         state = _append_window(config, state, sample, rates)
         measured = Measured(
             period_seconds=dt,
@@ -136,6 +169,7 @@ def decide(config: ColocationConfig, state: LoopState, sample: Sample) -> Decisi
             online_pressure=rates.online_pressure,
             allowed_cpus=allowed,
             host_cpu=rates.host_cpu,
+            best_effort_traffic=sum(rates.slot_traffic.values()) if rates.slot_traffic else None,
         )
         batch = _batch(config, state, sample, rates)
         pressure = rates.online_pressure.get("memory")
@@ -157,6 +191,7 @@ class _Rates:
     host_cpu: float | None  # the pool's use by neither class; None: the online slots' is unknown
     online_pressure: Mapping[PressureResource, float | None]
     slot_cpu: Mapping[str, float]
+    slot_traffic: Mapping[str, float]  # bytes/s, slots whose traffic both samples counted
 
     @classmethod
     def of(cls, before: Sample, now: Sample, dt: float, *, host_as_online: bool = False) -> _Rates:
@@ -169,6 +204,7 @@ class _Rates:
         pool_busy = sum(busy.get(cpu, 0.0) for cpu in now.pool)
         best_effort = _rate(before.best_effort_cpu_ns, now.best_effort_cpu_ns, dt_ns) or 0.0
         slot_cpu: dict[str, float] = {}
+        slot_traffic: dict[str, float] = {}
         if before.slots_read and now.slots_read:  # else no slot has two readings: every rate is 0
             old_slots = {s.slot_id: s for s in before.best_effort}
             slot_cpu = {
@@ -176,6 +212,14 @@ class _Rates:
                 for s in now.best_effort
                 if s.slot_id in old_slots
             }
+            if now.traffic_counted:
+                for s in now.best_effort:
+                    old = old_slots.get(s.slot_id)
+                    traffic = (
+                        None if old is None else _rate(old.memory_traffic_bytes, s.memory_traffic_bytes, dt)
+                    )
+                    if traffic is not None:
+                        slot_traffic[s.slot_id] = traffic
         not_best_effort = max(0.0, pool_busy - best_effort)
         old_class, new_class = before.online.get(BURSTABLE_GROUP), now.online.get(BURSTABLE_GROUP)
         slots = (
@@ -195,6 +239,7 @@ class _Rates:
             host_cpu=host,
             online_pressure=_online_pressure(before, now, dt * 1e6),
             slot_cpu=slot_cpu,
+            slot_traffic=slot_traffic,
         )
 
 
@@ -283,7 +328,7 @@ def _cpu(
         state = replace(state, cpu_limit=CpuLimit(cpus, quota))
     limit = state.cpu_limit
     assert limit is not None
-    state, quota_actions = _priority_quotas(config, state, sample, rates, limit.quota)
+    state, quota_actions = _slot_quotas(config, state, sample, rates, limit.quota)
     return state, actions + quota_actions, allowed
 
 
@@ -344,26 +389,17 @@ def choose_cpus(
     return frozenset(chosen)
 
 
-def _priority_quotas(
+def _slot_quotas(
     config: ColocationConfig, state: LoopState, sample: Sample, rates: _Rates, allowed: float
 ) -> tuple[LoopState, list[Action]]:
-    """With two or more priorities, each level's quota is what the levels above leave."""
+    """Each best-effort slot's own quota: what the priority levels above it leave, and the
+    bandwidth proxy's cut (the smaller of the two where both apply)."""
     slots = [s for s in sample.best_effort if not s.evicted]
     levels = sorted({s.priority for s in slots}, reverse=True)
-    if len(levels) < 2 and not state.slot_quota:
-        return state, []  # one priority and no quota to lift: nothing to do for any slot
-    wanted: dict[str, float | None] = {}
-    if len(levels) >= 2:
-        remaining = allowed
-        for level in levels:
-            members = [s for s in slots if s.priority == level]
-            for slot in members:
-                wanted[slot.slot_id] = _quantize(max(config.min_cpus, remaining))
-            use = sum(
-                rates.slot_cpu.get(s.slot_id, 0.0) * PRIORITY_HEADROOM_FACTOR + PRIORITY_HEADROOM_CPUS
-                for s in members
-            )
-            remaining = max(0.0, remaining - use)
+    caps = _bandwidth_caps(config, state, sample, rates, allowed=allowed, slots=slots)
+    if len(levels) < 2 and not state.slot_quota and not caps:
+        return state, []  # one priority, no hog and no quota to lift: nothing to do for any slot
+    by_priority = _priority_quotas(config, rates, allowed, slots, levels)
     actions: list[Action] = []
     quotas = dict(state.slot_quota)
     present = {s.slot_id for s in sample.best_effort}
@@ -371,27 +407,146 @@ def _priority_quotas(
         if slot_id not in present:
             del quotas[slot_id]
     for slot in slots:
-        new = wanted.get(slot.slot_id)
+        wanted = [
+            q for q in (by_priority.get(slot.slot_id), caps.get(slot.slot_id, (None, ""))[0]) if q is not None
+        ]
+        new = min(wanted) if wanted else None
         old = quotas.get(slot.slot_id)
         if new is None and old is None:
             continue
         if new is not None and old is not None and abs(new - old) < max(0.05, 0.1 * old):
             continue
-        higher = [lv for lv in levels if lv > slot.priority]
-        why = (
-            f"priority {slot.priority}: what priorities {', '.join(map(str, higher))} leave of "
-            f"{allowed:.2f} CPUs"
-            if new is not None and higher
-            else f"priority {slot.priority}: the highest; may use all {allowed:.2f} CPUs"
-            if new is not None
-            else "one priority among best-effort slots again: quota lifted"
-        )
+        if slot.slot_id in caps and new == caps[slot.slot_id][0]:
+            why = caps[slot.slot_id][1]
+        elif new is not None:
+            higher = [lv for lv in levels if lv > slot.priority]
+            why = (
+                f"priority {slot.priority}: what priorities {', '.join(map(str, higher))} leave of "
+                f"{allowed:.2f} CPUs"
+                if higher
+                else f"priority {slot.priority}: the highest; may use all {allowed:.2f} CPUs"
+            )
+        else:
+            why = "no priorities among best-effort slots and no memory bandwidth cut: quota lifted"
         actions.append(Action("slot_cpu_quota", slot.slot_id, why, quota_cpus=new))
         if new is None:
             quotas.pop(slot.slot_id, None)
         else:
             quotas[slot.slot_id] = new
-    return replace(state, slot_quota=quotas), actions
+    capped = {slot_id: quota for slot_id, (quota, _) in caps.items()}
+    return replace(state, slot_quota=quotas, bandwidth_capped=capped), actions
+
+
+def _priority_quotas(
+    config: ColocationConfig,
+    rates: _Rates,
+    allowed: float,
+    slots: list[BestEffortSlot],
+    levels: list[int],
+) -> dict[str, float]:
+    """With two or more priorities, each level's quota is what the levels above leave."""
+    wanted: dict[str, float] = {}
+    if len(levels) < 2:
+        return wanted
+    remaining = allowed
+    for level in levels:
+        members = [s for s in slots if s.priority == level]
+        for slot in members:
+            wanted[slot.slot_id] = _quantize(max(config.min_cpus, remaining))
+        use = sum(
+            rates.slot_cpu.get(s.slot_id, 0.0) * PRIORITY_HEADROOM_FACTOR + PRIORITY_HEADROOM_CPUS
+            for s in members
+        )
+        remaining = max(0.0, remaining - use)
+    return wanted
+
+
+# --------------------------------------------------------------------------- memory bandwidth
+
+
+def _bandwidth_watched(config: ColocationConfig, state: LoopState, sample: Sample) -> bool:
+    """Whether the bandwidth proxy is at work: traffic counted, a budget set, online work running
+    (or a cut still in force)."""
+    if not sample.traffic_counted or config.best_effort_bandwidth_mb_per_s <= 0:
+        return False
+    return bool(state.bandwidth_capped) or _online_active(state)
+
+
+def _online_active(state: LoopState) -> bool:
+    """Online work ran in the release window (the state already holds this period's figures)."""
+    busy = max(state.recent_online_cpu, default=0.0) >= BANDWIDTH_ONLINE_CPUS
+    return busy or any(reason is not None for reason in state.recent_pressure)
+
+
+def _resctrl_share(state: LoopState, sample: Sample) -> tuple[LoopState, list[Action]]:
+    """Best-effort's resctrl group: the small share while online work runs, the whole otherwise."""
+    if not sample.resctrl_group:
+        return state, []
+    wide = not _online_active(state)
+    if wide == state.resctrl_wide:
+        return state, []
+    if wide:
+        action = Action(
+            "resctrl_wide",
+            None,
+            f"online work idle for {len(state.recent_online_cpu)} periods: the default group's cache "
+            "and memory bandwidth",
+        )
+    else:
+        peak = max(state.recent_online_cpu, default=0.0)
+        action = Action(
+            "resctrl_narrow",
+            None,
+            f"online work running ({peak:.2f} CPUs at its peak): best-effort back to its small cache "
+            "and memory bandwidth share",
+        )
+    return replace(state, resctrl_wide=wide), [action]
+
+
+def _bandwidth_caps(
+    config: ColocationConfig,
+    state: LoopState,
+    sample: Sample,
+    rates: _Rates,
+    *,
+    allowed: float,
+    slots: list[BestEffortSlot],
+) -> dict[str, tuple[float, str]]:
+    """The bandwidth hogs' quotas and why (see the module docstring); empty when online work is
+    idle, traffic is not counted or the budget is 0."""
+    budget = config.best_effort_bandwidth_mb_per_s * 1e6
+    if budget <= 0 or not sample.traffic_counted:
+        return {}
+    if not _online_active(state):
+        return {}  # the cuts end with online work (its peak over the release periods)
+    hogs: dict[str, float | None] = {}
+    for slot in slots:
+        cpu = rates.slot_cpu.get(slot.slot_id, 0.0)
+        traffic = rates.slot_traffic.get(slot.slot_id)
+        cut = state.bandwidth_capped.get(slot.slot_id)
+        if traffic is None or cpu < BANDWIDTH_MIN_CPU:
+            if cut is not None:
+                hogs[slot.slot_id] = None  # barely ran (or unread): its cut stands
+            continue
+        line = budget * (BANDWIDTH_RELEASE_SHARE if cut is not None else 1.0)
+        if traffic / cpu * allowed > line:
+            hogs[slot.slot_id] = traffic / cpu
+    caps: dict[str, tuple[float, str]] = {}
+    for slot_id, intensity in hogs.items():
+        if intensity is None:
+            caps[slot_id] = (
+                state.bandwidth_capped[slot_id],
+                "memory bandwidth hog (cut kept: it barely ran)",
+            )
+            continue
+        quota = max(config.min_cpus, _quantize(budget / len(hogs) / intensity))
+        caps[slot_id] = (
+            quota,
+            f"memory traffic {intensity / 1e6:.0f} MB per CPU-second: {allowed:.2f} CPUs of it would be "
+            f"{intensity * allowed / 1e6:.0f} MB/s, over best-effort's {budget / 1e6:g} MB/s while online "
+            f"work runs ({len(hogs)} slot(s) share it; the host has no MBA to cap bandwidth itself)",
+        )
+    return caps
 
 
 def _quantize(cpus: float) -> float:

@@ -9,7 +9,9 @@ per period and on cgroup v1 or v2:
 - the shared pool (the burstable class parent's cpuset);
 - the burstable class parent and each guaranteed slot (the online groups): CPU time, memory,
   and on v2 their ``*.pressure`` files;
-- the best-effort class parent's CPU time, and each best-effort slot's CPU time and memory.
+- the best-effort class parent's CPU time, and each best-effort slot's CPU time and memory;
+- where the loop counts memory traffic (no MBA, cache-miss counters: the bandwidth proxy), each
+  running best-effort slot's processes and their counters, in periods that read the slots.
 
 That is about two reads per slot and ten per host: tens of microseconds a period on a quiet host.
 
@@ -39,6 +41,7 @@ from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import CgroupError, DiscoveryError, NodeAgentError
 from nodeagent.isolation.colocation import BURSTABLE_GROUP, Action, BestEffortSlot, GroupUsage, Sample, Stall
 from nodeagent.isolation.isolator import SlotIsolator, class_has_cpu_idle
+from nodeagent.isolation.memory_traffic import MemoryTraffic
 from nodeagent.isolation.qos import OOM_SCORE_ADJ_BEST_EFFORT, quota_us, sched_idle_supported, set_sched_idle
 from nodeagent.isolation.resctrl import Resctrl
 from nodeagent.kernelfs import Procfs
@@ -103,8 +106,10 @@ class Sampler:
         allowed: frozenset[int],
         core_of: Mapping[int, int],
         proc_root: Path = Path("/proc"),
+        traffic: MemoryTraffic | None = None,
     ) -> None:
         self.host = host
+        self.traffic = traffic
         self.hierarchy = hierarchy
         self.allowed = allowed
         self.core_of = dict(core_of)
@@ -161,17 +166,34 @@ class Sampler:
             best_effort=self._unread_slots(slots),
             best_effort_memory_bytes=best_effort_class.memory_bytes,
             slots_read=False,
+            traffic_counted=self.traffic is not None,
         )
         if not (read_slots if isinstance(read_slots, bool) else read_slots(base)):
             # The slots' checked paths stay for the next period that reads them.
             self._files = self._last_files | self._files
             self._dirs = self._last_dirs | self._dirs
             return base
-        return replace(
-            base,
-            best_effort=tuple(self._best_effort(s, read=True) for s in slots if s.qos == "best-effort"),
-            slots_read=True,
-        )
+        best_effort = tuple(self._best_effort(s, read=True) for s in slots if s.qos == "best-effort")
+        if self.traffic is not None:
+            best_effort = self._count_traffic(self.traffic, best_effort)
+        return replace(base, best_effort=best_effort, slots_read=True)
+
+    def _count_traffic(
+        self, traffic: MemoryTraffic, slots: tuple[BestEffortSlot, ...]
+    ) -> tuple[BestEffortSlot, ...]:
+        """Each running slot's memory traffic so far; the counters of slots gone or stopped are closed."""
+        counted: list[BestEffortSlot] = []
+        running: list[str] = []
+        for slot in slots:
+            if not slot.running or slot.evicted or self._memory_mount is None:
+                counted.append(slot)
+                continue
+            relpath = cgroupfs.join(self.hierarchy.slot_path(slot.slot_id, "best-effort"), "cgroup.procs")
+            pids = cgroupfs.read_pids(self._memory_mount, relpath)
+            running.append(slot.slot_id)
+            counted.append(replace(slot, memory_traffic_bytes=traffic.read(slot.slot_id, pids)))
+        traffic.forget(keep=running)
+        return tuple(counted)
 
     def _unread_slots(self, slots: Sequence[SlotInfo]) -> tuple[BestEffortSlot, ...]:
         if slots is not self._unread_for:
@@ -295,6 +317,10 @@ def _total(pressure: Pressure | None) -> int | None:
 
 # --------------------------------------------------------------------------- the actuator
 
+#: An L3 share in ways larger than any cache: the shared group then takes the default group's whole
+#: lowest run of ways (resctrl.low_ways), which is what best-effort gets while online work is idle.
+ALL_WAYS = float(1 << 16)
+
 
 class Actuator:
     """Carries out the kernel actions (everything but evict and restore) on best-effort slots.
@@ -330,6 +356,7 @@ class Actuator:
         self._proc_root = proc_root
         self._tended: set[int] = set()
         self._resctrl_ready = False
+        self._resctrl_wide = False  # the group is made with the small share (the loop's start state)
 
     def apply(self, action: Action) -> None:
         """Write what ``action`` says. A slot that went away meanwhile is not an error."""
@@ -350,6 +377,9 @@ class Actuator:
             self.isolator.hold_best_effort_slot(
                 action.slot_id, memory_high=None, own_memory_high=action.memory_high
             )
+        elif kind in ("resctrl_narrow", "resctrl_wide"):
+            self._resctrl_wide = kind == "resctrl_wide"
+            self.prepare_resctrl()
         else:
             raise AssertionError(f"the agent carries out {kind}, not the actuator")
 
@@ -361,15 +391,24 @@ class Actuator:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
 
+    @property
+    def resctrl_ready(self) -> bool:
+        """Best-effort's shared resctrl group is in place."""
+        return self._resctrl_ready
+
     def prepare_resctrl(self) -> str | None:
-        """Create (or mend) best-effort's shared resctrl group; None where the host has none."""
+        """Create (or mend) best-effort's shared resctrl group with the share the loop last chose
+        (the small one at first); None where the host has none."""
         if self._resctrl is None or self._resctrl_group is None:
             return None
         if not (self._resctrl.root / "info").is_dir():
             return None
+        wide = self._resctrl_wide
         try:
             if self._resctrl.ensure_shared_group(
-                self._resctrl_group, l3_share=self._l3_share, mb_percent=self._mb_percent
+                self._resctrl_group,
+                l3_share=None if self._l3_share is None else (ALL_WAYS if wide else self._l3_share),
+                mb_percent=None if self._mb_percent is None else (100 if wide else self._mb_percent),
             ):
                 log.info("best-effort resctrl group %s set up", self._resctrl_group)
         except NodeAgentError as err:

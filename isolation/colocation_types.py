@@ -19,6 +19,8 @@ ActionKind = Literal[
     "memory_unthrottle",
     "evict",
     "restore",
+    "resctrl_narrow",
+    "resctrl_wide",
 ]
 ACTION_KINDS: tuple[ActionKind, ...] = get_args(ActionKind)
 PressureResource = Literal["cpu", "memory", "io"]
@@ -48,6 +50,10 @@ class ColocationConfig:
     #: work. Off: best-effort may use what the online slots leave, and other tenants compete with
     #: it through the scheduler (best-effort runs at idle priority); on: what everything leaves.
     host_cpu_as_online: bool = False
+    #: Where the host cannot cap memory bandwidth itself (no resctrl MBA) but counts cache misses:
+    #: the memory traffic best-effort work may cause while online work runs, in MB/s; a slot that
+    #: would cause more at its CPU allowance gets its CPU quota cut so that it cannot (0: off).
+    best_effort_bandwidth_mb_per_s: float = 1000.0
 
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
@@ -68,6 +74,11 @@ class ColocationConfig:
             ("memory_pressure_threshold", 0 < self.memory_pressure_threshold <= 1, "a fraction in (0, 1]"),
             ("restore_after_seconds", self.restore_after_seconds >= 0, "seconds, at least 0"),
             ("batch_window_seconds", self.batch_window_seconds > 0, "seconds above 0"),
+            (
+                "best_effort_bandwidth_mb_per_s",
+                self.best_effort_bandwidth_mb_per_s >= 0,
+                "MB/s, at least 0 (0 turns the bandwidth proxy off)",
+            ),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -110,6 +121,8 @@ class BestEffortSlot:
     same for every slot of one sample (the youngest has the largest). ``memory_high``: the slot's
     own memory.high (its memory request), None for none. ``running``: it has a live worker the
     loop may evict. ``evicted``: the agent has its worker stopped on the loop's behalf.
+    ``memory_traffic_bytes``: its processes' cumulative memory traffic (last-level cache misses
+    times the line size), None where it is not counted (:attr:`Sample.traffic_counted`).
     """
 
     slot_id: str
@@ -119,6 +132,7 @@ class BestEffortSlot:
     memory_high: int | None = None
     running: bool = True
     evicted: bool = False
+    memory_traffic_bytes: int | None = None
 
 
 #: The key of the burstable class (every burstable slot together) in :attr:`Sample.online`; the
@@ -137,7 +151,10 @@ class Sample:
     ``best_effort_cpu_ns``: the best-effort class's cumulative CPU time; ``best_effort_memory_bytes``
     its memory now. ``slots_read``: whether each best-effort slot's cgroup was read this period
     (:func:`~nodeagent.isolation.colocation.needs_slot_detail`); when not, ``best_effort`` still
-    lists every slot, with an empty ``usage``.
+    lists every slot, with an empty ``usage``. ``traffic_counted``: the sampler counts best-effort
+    slots' memory traffic (the host has cache-miss counters and no resctrl MBA); a period that
+    reads the slots then gives each its ``memory_traffic_bytes``. ``resctrl_group``: best-effort's
+    shared resctrl group is in place (its cache and bandwidth share follows online load).
     """
 
     time: float
@@ -153,6 +170,8 @@ class Sample:
     best_effort: tuple[BestEffortSlot, ...] = ()
     best_effort_memory_bytes: int | None = None
     slots_read: bool = True
+    traffic_counted: bool = False
+    resctrl_group: bool = False
 
 
 # --------------------------------------------------------------------------- decisions (out)
@@ -196,7 +215,9 @@ class Measured:
     online use of the pool (the online slots', and the host's other use too where
     ``host_cpu_as_online`` is set or the slots' own use could not be read); ``host_cpu``: the pool
     CPU that neither online nor best-effort slots used (other tenants, system daemons, the agent
-    itself, the hypervisor's steal), None where the online slots' use could not be read."""
+    itself, the hypervisor's steal), None where the online slots' use could not be read.
+    ``best_effort_traffic``: best-effort slots' memory traffic in bytes/s (see
+    :attr:`BestEffortSlot.memory_traffic_bytes`), None where not measured this period."""
 
     period_seconds: float
     pool_cpus: int
@@ -207,6 +228,9 @@ class Measured:
     online_pressure: Mapping[PressureResource, float | None]
     allowed_cpus: float
     host_cpu: float | None = None
+    #: Best-effort slots' memory traffic in bytes/s (the slots read in both samples); None where
+    #: it is not counted or the slots were not read.
+    best_effort_traffic: float | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +294,11 @@ class LoopState:
     window: tuple[WindowPoint, ...] = ()
     cpu_limit: CpuLimit | None = None
     slot_quota: Mapping[str, float] = field(default_factory=dict)
+    #: Best-effort slots whose CPU quota is cut for their memory traffic, and the cut (CPUs).
+    bandwidth_capped: Mapping[str, float] = field(default_factory=dict)
+    #: Best-effort's resctrl group holds the default group's whole cache and bandwidth (online
+    #: work idle) rather than its small share (the group is made with the small share).
+    resctrl_wide: bool = False
     throttled: Mapping[str, int] = field(default_factory=dict)
     evicted: Mapping[str, Eviction] = field(default_factory=dict)
     calm_since: float | None = None

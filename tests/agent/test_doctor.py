@@ -97,6 +97,7 @@ def fake_host(tmp_path: Path, files: dict[str, str], **kwargs: object) -> HostRo
     defaults: dict[str, object] = {
         "euid": 0,
         "bpf_probe": lambda: None,
+        "cache_miss_probe": lambda: None,
         "firewall_probe": lambda: None,
         "sandbox_probe": lambda: {"namespace mount": "ok", "seccomp filter": "ok"},
         "podman_probe": lambda podman: PodmanFacts("4.3.1", "crun", "crun version 1.8.1", "cgroupfs"),
@@ -132,6 +133,7 @@ def test_healthy_v2_host(tmp_path: Path) -> None:
             "MIG",
             "FPGAs",
             "cache/memory-bandwidth isolation",
+            "best-effort memory bandwidth",
             "PSI",
             "isolcpus",
             "exclusive CPU noise",
@@ -246,6 +248,23 @@ def test_resctrl_not_mounted_on_rdt_cpu(tmp_path: Path) -> None:
     assert found.status == "WARN"
     assert "not mounted" in found.detail
     assert found.hint == "mount -t resctrl resctrl /sys/fs/resctrl"
+
+
+def test_without_mba_the_bandwidth_proxy_needs_cache_miss_counters(tmp_path: Path) -> None:
+    with_mba = by_name(run_checks(fake_host(tmp_path / "mba", HEALTHY_V2)))["best-effort memory bandwidth"]
+    assert with_mba.status == "OK"
+    assert "MBA" in with_mba.detail
+    files = {k: v for k, v in HEALTHY_V2.items() if not k.startswith("sys/fs/resctrl/")}
+    counted = by_name(run_checks(fake_host(tmp_path / "a", files)))["best-effort memory bandwidth"]
+    assert counted.status == "OK"
+    assert "cache misses" in counted.detail
+    no_pmu = "perf_event_open(cache-misses): No such file or directory (no hardware PMU)"
+    roots = fake_host(tmp_path / "b", files, cache_miss_probe=lambda: no_pmu)
+    blind = by_name(run_checks(roots))["best-effort memory bandwidth"]
+    assert blind.status == "WARN"
+    assert no_pmu in blind.detail
+    assert "bounded only by its CPU allowance" in blind.detail
+    assert "PMU" in blind.hint
 
 
 def test_ebpf_refused_on_pure_v2_is_a_warning(tmp_path: Path) -> None:

@@ -91,6 +91,7 @@ class ScriptedSampler:
     period: Period | None = None
     seen: list[Sequence[SlotInfo]] = field(default_factory=list)
     slots_read: list[bool] = field(default_factory=list)
+    traffic: Any = None  # no cache-miss counters
 
     def sample(
         self, slots: Sequence[SlotInfo], now: float, *, read_slots: Callable[[Sample], bool] | bool = True
@@ -123,6 +124,7 @@ class ScriptedSampler:
 
 class RecordingActuator:
     host = None
+    resctrl_ready = False
 
     def __init__(self) -> None:
         self.applied: list[Action] = []

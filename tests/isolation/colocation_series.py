@@ -45,6 +45,7 @@ class Period:
     memory_used: int | None = None  # node memory used (bytes); None: as before
     online_memory: int | None = None
     slot_memory: Mapping[str, int] = field(default_factory=dict)
+    slot_traffic: Mapping[str, float] = field(default_factory=dict)  # bytes/s, per best-effort slot
     seconds: float = 1.0
 
 
@@ -67,6 +68,9 @@ class Series:
     online_us: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "memory": 0, "io": 0})
     node_us: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "memory": 0, "io": 0})
     per_group_psi: bool = True
+    traffic_counted: bool = False  # the sampler counts each best-effort slot's memory traffic
+    resctrl_group: bool = False  # best-effort's shared resctrl group is in place
+    slot_traffic: dict[str, int] = field(default_factory=dict)  # cumulative bytes
 
     def sample(self, period: Period | None = None) -> Sample:
         """The next sample after ``period`` (None: the first sample, nothing has happened yet)."""
@@ -91,6 +95,8 @@ class Series:
             if period.online_memory is not None:
                 self.online_memory = period.online_memory
             self.slot_memory.update(period.slot_memory)
+            for slot, rate in period.slot_traffic.items():
+                self.slot_traffic[slot] = self.slot_traffic.get(slot, 0) + round(rate * period.seconds)
         cpus = sorted(self.pool | self.exclusive)
         for cpu in cpus:
             self.busy_ns.setdefault(cpu, 0)
@@ -103,6 +109,7 @@ class Series:
                     memory_bytes=self.slot_memory.get(s.slot_id, 64 * MiB),
                     stall=None,
                 ),
+                memory_traffic_bytes=self.slot_traffic.get(s.slot_id, 0) if self.traffic_counted else None,
             )
             for s in self.best_effort
         )
@@ -124,6 +131,8 @@ class Series:
             },
             best_effort_cpu_ns=self.be_ns,
             best_effort=slots,
+            traffic_counted=self.traffic_counted,
+            resctrl_group=self.resctrl_group,
         )
 
 

@@ -288,6 +288,130 @@ def test_one_priority_sets_no_slot_quota_and_lifts_one_set_before() -> None:
     assert after.state.slot_quota == {}
 
 
+# --------------------------------------------------------------------------- memory bandwidth
+
+MB = 1_000_000
+
+
+def _bandwidth(
+    online: float, periods: int, traffic: dict[str, float], slot_cpu: dict[str, float]
+) -> list[Period]:
+    out = []
+    for _ in range(periods):
+        period = load(online, sum(slot_cpu.values()))
+        period.slot_cpu = slot_cpu
+        period.slot_traffic = traffic
+        out.append(period)
+    return out
+
+
+def test_a_bandwidth_hog_gets_the_quota_that_keeps_it_within_the_budget_while_online_runs() -> None:
+    slots = (BestEffortSlot("stream"), BestEffortSlot("compute"))
+    series = Series(best_effort=slots, traffic_counted=True)
+    # stream: 8000 MB/s on 0.8 CPU = 10 GB per CPU-second; compute: 20 MB/s on 0.7 CPU.
+    busy = _bandwidth(0.3, 3, {"stream": 8000 * MB, "compute": 20 * MB}, {"stream": 0.8, "compute": 0.7})
+    decisions = run(CONFIG, series, busy)
+    cut = [a for a in decisions[1].actions if a.kind == "slot_cpu_quota"]
+    assert [a.slot_id for a in cut] == ["stream"]  # the compute slot is no hog
+    # 1000 MB/s / 10000 MB per CPU-second = 0.1 CPU.
+    assert cut[0].quota_cpus == pytest.approx(0.1)
+    assert "10000 MB per CPU-second" in cut[0].reason
+    assert "no MBA" in cut[0].reason
+    assert decisions[1].measured is not None
+    assert decisions[1].measured.best_effort_traffic == pytest.approx(8020 * MB, rel=1e-6)
+    # Cut, its traffic falls with its CPU; the intensity (traffic per CPU-second) does not.
+    state = decisions[-1].state
+    for period in _bandwidth(
+        0.3, 3, {"stream": 1000 * MB, "compute": 20 * MB}, {"stream": 0.1, "compute": 0.7}
+    ):
+        decision = decide(CONFIG, state, series.sample(period))
+        assert all(a.kind != "slot_cpu_quota" for a in decision.actions)
+        state = decision.state
+    assert state.bandwidth_capped == {"stream": pytest.approx(0.1)}
+
+
+def test_the_bandwidth_cut_is_lifted_once_online_work_stops() -> None:
+    series = Series(best_effort=(BestEffortSlot("stream"),), traffic_counted=True)
+    busy = _bandwidth(0.3, 2, {"stream": 8000 * MB}, {"stream": 0.8})
+    decisions = run(CONFIG, series, busy)
+    assert decisions[-1].state.slot_quota == {"stream": pytest.approx(0.1)}
+    after = [decisions[-1]]
+    for period in _bandwidth(0.0, 4, {"stream": 1000 * MB}, {"stream": 0.1}):
+        after.append(decide(CONFIG, after[-1].state, series.sample(period)))
+    after = after[1:]
+    lifted = [(i, a) for i, d in enumerate(after) for a in d.actions if a.kind == "slot_cpu_quota"]
+    # Held while online's peak over the release periods (3) stays up, then lifted.
+    assert [i for i, _ in lifted] == [2]
+    assert lifted[0][1].quota_cpus is None
+    assert after[-1].state.bandwidth_capped == {}
+
+
+def test_hogs_share_the_budget_and_a_slot_that_barely_ran_keeps_its_cut() -> None:
+    slots = (BestEffortSlot("a"), BestEffortSlot("b"))
+    series = Series(best_effort=slots, traffic_counted=True)
+    busy = _bandwidth(0.3, 1, {"a": 5000 * MB, "b": 2500 * MB}, {"a": 0.5, "b": 0.5})
+    decisions = run(CONFIG, series, busy)
+    quotas = decisions[-1].state.slot_quota
+    # Two hogs, 500 MB/s each: a at 10 GB per CPU-second -> 0.05 CPU, b at 5 GB -> 0.1 CPU.
+    assert quotas == {"a": pytest.approx(0.05), "b": pytest.approx(0.1)}
+    (idle_a,) = _bandwidth(0.3, 1, {"a": 0, "b": 500 * MB}, {"a": 0.0, "b": 0.1})
+    after = decide(CONFIG, decisions[-1].state, series.sample(idle_a))
+    assert after.state.bandwidth_capped["a"] == pytest.approx(0.05)
+
+
+def test_without_traffic_counters_or_with_a_zero_budget_nothing_is_cut() -> None:
+    traffic = {"stream": 8000 * MB}
+    for series, config in (
+        (Series(best_effort=(BestEffortSlot("stream"),), traffic_counted=False), CONFIG),
+        (
+            Series(best_effort=(BestEffortSlot("stream"),), traffic_counted=True),
+            replace(CONFIG, best_effort_bandwidth_mb_per_s=0.0),
+        ),
+    ):
+        decisions = run(config, series, _bandwidth(0.3, 3, traffic, {"stream": 0.8}))
+        assert all(a.kind != "slot_cpu_quota" for d in decisions for a in d.actions)
+
+
+def test_priorities_and_the_bandwidth_cut_take_the_smaller_quota() -> None:
+    slots = (BestEffortSlot("high", priority=5), BestEffortSlot("low", priority=0))
+    series = Series(pool=F({0, 1, 2, 3}), best_effort=slots, traffic_counted=True)
+    period = load(0.2, 3.0, pool=range(4))
+    period.slot_cpu = {"high": 2.0, "low": 1.0}
+    period.slot_traffic = {"high": 40_000 * MB, "low": 10 * MB}
+    decision = run(CONFIG, series, [period])[-1]
+    quotas = {a.slot_id: a for a in decision.actions if a.kind == "slot_cpu_quota"}
+    # high: 20 GB per CPU-second -> 0.05 CPU (below the 3 CPUs its priority allows).
+    assert quotas["high"].quota_cpus == pytest.approx(0.05)
+    assert "MB per CPU-second" in quotas["high"].reason
+    assert "priority 0" in quotas["low"].reason
+
+
+def test_resctrl_share_narrows_in_the_first_busy_period_and_widens_after_the_release_window() -> None:
+    series = Series(best_effort=(BestEffortSlot("a"),), resctrl_group=True)
+    periods = [load(0.0, 1.0), load(0.0, 1.0), load(0.5, 1.0), load(0.0, 1.0), load(0.0, 1.0), load(0.0, 1.0)]
+    decisions = run(CONFIG, series, periods)
+    shares = [[a.kind for a in d.actions if a.kind.startswith("resctrl")] for d in decisions]
+    # Made narrow; idle -> wide in the first measured period; narrow the period online load comes;
+    # wide again once the release window (3 periods) holds no online work.
+    assert shares == [[], ["resctrl_wide"], [], ["resctrl_narrow"], [], [], ["resctrl_wide"]]
+    narrow = next(a for a in decisions[3].actions if a.kind == "resctrl_narrow")
+    assert narrow.slot_id is None
+    assert "0.50 CPUs" in narrow.reason
+    without = run(CONFIG, Series(best_effort=(BestEffortSlot("a"),)), periods)
+    assert not [a for d in without for a in d.actions if a.kind.startswith("resctrl")]
+
+
+def test_the_bandwidth_proxy_reads_every_slot_while_online_runs() -> None:
+    series = Series(best_effort=(BestEffortSlot("a"),), traffic_counted=True)
+    state = run(CONFIG, series, [load(0.3, 0.5)])[-1].state
+    assert needs_slot_detail(CONFIG, state, series.sample(load(0.3, 0.5)), priorities=1)
+    quiet = run(CONFIG, series, [load(0.0, 0.5)] * 3)[-1].state
+    assert not needs_slot_detail(CONFIG, quiet, series.sample(load(0.0, 0.5)), priorities=1)
+    counted_off = Series(best_effort=(BestEffortSlot("a"),))
+    state = run(CONFIG, counted_off, [load(0.3, 0.5)])[-1].state
+    assert not needs_slot_detail(CONFIG, state, counted_off.sample(load(0.3, 0.5)), priorities=1)
+
+
 # --------------------------------------------------------------------------- memory
 
 

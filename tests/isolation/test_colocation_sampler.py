@@ -179,6 +179,55 @@ def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
     assert slot.usage == GroupUsage(None, None, None)  # e1 was released between listing and reading
 
 
+class _RecordedTraffic:
+    """A stand-in for the cache-miss counters: per slot, the bytes counted so far per pid."""
+
+    def __init__(self, per_pid: dict[int, int]) -> None:
+        self.per_pid = per_pid
+        self.asked: list[tuple[str, list[int]]] = []
+        self.kept: list[list[str]] = []
+
+    def read(self, slot_id: str, pids: list[int]) -> int | None:
+        self.asked.append((slot_id, list(pids)))
+        return sum(self.per_pid.get(pid, 0) for pid in pids) if pids else None
+
+    def forget(self, keep: list[str]) -> None:
+        self.kept.append(list(keep))
+
+
+def test_sampler_counts_running_best_effort_slots_memory_traffic_in_periods_that_read_them(
+    tmp_path: Path,
+) -> None:
+    mount = tmp_path / "cgroup"
+    files = {f"{PARENT}/burstable/cpuset.cpus": "0-1\n"}
+    for relpath in (f"{PARENT}/burstable", f"{PARENT}/best-effort", f"{PARENT}/best-effort/e1"):
+        files[f"{relpath}/cpu.stat"] = "usage_usec 1\n"
+        files[f"{relpath}/memory.current"] = "4096\n"
+    files[f"{PARENT}/best-effort/e1/cgroup.procs"] = "41\n42\n"
+    write_tree(mount, files)
+    traffic = _RecordedTraffic({41: 640, 42: 64})
+    sampler = Sampler(
+        CgroupHost(mode="v2", v2_mount=mount, can_write=True),
+        Hierarchy(PARENT),
+        allowed=F({0, 1}),
+        core_of={0: 0, 1: 1},
+        proc_root=proc_tree(tmp_path),
+        traffic=traffic,  # type: ignore[arg-type]
+    )
+    slots = [*SLOTS, SlotInfo("e2", "best-effort", running=False, evicted=True)]
+    sample = sampler.sample(slots, now=1.0)
+    assert sample.traffic_counted
+    by_id = {s.slot_id: s for s in sample.best_effort}
+    assert by_id["e1"].memory_traffic_bytes == 704
+    assert by_id["e2"].memory_traffic_bytes is None  # evicted: no processes, no counters
+    assert traffic.asked == [("e1", [41, 42])]
+    assert traffic.kept == [["e1"]]  # the counters of every other slot are closed
+    calm = sampler.sample(slots, now=2.0, read_slots=False)
+    assert calm.traffic_counted
+    assert traffic.asked == [("e1", [41, 42])]  # a period that reads no slot reads no counter
+    assert all(s.memory_traffic_bytes is None for s in calm.best_effort)
+
+
 def _fake_isolator(host: CgroupHost) -> Any:
     """What the actuator reads of an isolator when it only tends processes."""
     return SimpleNamespace(host=host, hierarchy=Hierarchy(PARENT))

@@ -487,6 +487,36 @@ def test_shared_group_takes_a_few_default_ways_and_mends_drift(tmp_path: Path) -
     assert resctrl.schemata()["L3"] == {0: "1f", 1: "1f"}  # the default group keeps its ways
 
 
+def test_best_effort_group_narrows_under_online_load_and_widens_when_idle(tmp_path: Path) -> None:
+    # The colocation actuator's resctrl_narrow/resctrl_wide on a fake two-socket tree.
+    from types import SimpleNamespace
+
+    from nodeagent.isolation.colocation import Action
+    from nodeagent.isolation.colocation_kernel import Actuator
+
+    resctrl = make(tmp_path, INTEL_2S)
+    isolator = SimpleNamespace(host=None, hierarchy=None)
+    actuator = Actuator(
+        isolator,  # type: ignore[arg-type]
+        resctrl=resctrl,
+        resctrl_group="natest-be",
+        l3_share=0.2,
+        mb_percent=15,
+        sched_idle=False,
+    )
+    assert actuator.prepare_resctrl() == "natest-be"
+    assert actuator.resctrl_ready
+    narrow = {"L3": {0: "7", 1: "7"}, "MB": {0: "20", 1: "20"}}
+    assert resctrl.schemata("natest-be") == narrow  # made with the small share
+    actuator.apply(Action("resctrl_wide", None, "online idle"))
+    assert resctrl.schemata("natest-be") == {"L3": {0: "7ff", 1: "7ff"}, "MB": {0: "100", 1: "100"}}
+    # A refresh mends the group to the share in force, not back to the small one.
+    assert actuator.prepare_resctrl() == "natest-be"
+    assert resctrl.schemata("natest-be")["MB"] == {0: "100", 1: "100"}
+    actuator.apply(Action("resctrl_narrow", None, "online busy"))
+    assert resctrl.schemata("natest-be") == narrow
+
+
 def test_shared_group_without_resctrl_says_why(tmp_path: Path) -> None:
     resctrl = make(tmp_path, None, proc_files(flags=PLAIN_FLAGS))
     with pytest.raises(Unsupported):
