@@ -1,6 +1,7 @@
 """The QoS loop with the real SlotManager, keeper and kernel (root): a best-effort worker that
 grows is throttled, then evicted through its supervisor (its slot stays), and started again once
-memory is calm; the online worker beside it keeps its pid and is never OOM-killed.
+memory is calm; the online worker beside it keeps its pid and is never OOM-killed. And the memory
+bandwidth proxy: a best-effort slot's counted traffic cuts its CPU quota while online work runs.
 
 The machine the loop sees is simulated as in tests/isolation/colocation_scenarios.py (1 GiB, only
 the test's slots), so the thresholds are crossed by a few hundred MiB of the real workers' memory.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from nodeagent.cgroups import detect, open_manager
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.colocation_kernel import Actuator, Sampler
+from nodeagent.isolation.memory_traffic import TASK_CLOCK, MemoryTraffic
 from nodeagent.runtime.keeper_client import stop_keeper
 from nodeagent.schema.request import parse_slot_request
 from tests.isolation.colocation_scenarios import MiB, SimulatedMachine
@@ -183,4 +186,93 @@ def test_evicted_worker_is_stopped_then_restarted_and_online_is_untouched(
         assert body is not None
         assert body["best_effort_used"]["memory_bytes"] >= 0
     finally:
+        manager.close()
+
+
+SPIN = (
+    "import threading\n"
+    "def spin():\n    while True:\n        pass\n"
+    "threading.Thread(target=spin, daemon=True).start()\nspin()\n"
+)
+
+
+def _slot_quota_cpus(manager: SlotManager, name: str) -> float | None:
+    """The slot's own CPU quota in CPUs as the kernel has it (None: no quota)."""
+    backend = manager.isolation
+    assert isinstance(backend, KernelIsolation)
+    host = backend.isolator.host
+    cgroup = manager.get_slot(name).cgroup
+    assert cgroup is not None
+    if host.mode == "v2":
+        assert host.v2_mount is not None
+        quota, period = (host.v2_mount / cgroup / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    mount = host.v1_mounts["cpu"]
+    quota_us = int((mount / cgroup / "cpu.cfs_quota_us").read_text())
+    period_us = int((mount / cgroup / "cpu.cfs_period_us").read_text())
+    return None if quota_us < 0 else quota_us / period_us
+
+
+def test_the_bandwidth_proxy_cuts_a_hog_through_real_counters_and_lets_go_when_online_stops(
+    config: AgentConfig,
+) -> None:
+    # The hardware event (cache misses) needs a PMU this machine's guest does not have; the same
+    # system call, inheritance and wiring are driven by the software clock instead: one "byte" per
+    # nanosecond on CPU, so a busy slot "moves" 1000 MB per CPU-second.
+    manager = build_manager(config, discover(gpus=False, fpgas=False))
+    manager.start(supervise=False)
+    traffic = MemoryTraffic(event=TASK_CLOCK, bytes_per_event=1)
+    try:
+        for name, qos, cpus in (("web", "burstable", 0.5), ("hog", "best-effort", None)):
+            resources = {"memory": "64Mi"} | ({"cpus": cpus} if cpus else {})
+            manager.allocate(
+                parse_slot_request(
+                    {
+                        "name": name,
+                        "qos": qos,
+                        "resources": resources,
+                        "worker": {"command": [world_python(), "-c", SPIN], "stop_grace_seconds": 1},
+                    }
+                )
+            )
+        backend = manager.isolation
+        assert isinstance(backend, KernelIsolation)
+        isolator = backend.isolator
+        sampler = Sampler(
+            isolator.host, isolator.hierarchy, allowed=isolator.pool.allowed, core_of={}, traffic=traffic
+        )
+        colocation = replace(config.colocation(), best_effort_bandwidth_mb_per_s=200.0)
+        loop = QosLoop(manager, sampler, Actuator(isolator), colocation, evict_grace_seconds=2.0)
+        manager.attach_qos(loop)
+
+        def step_until(check, limit: int = 80) -> None:  # type: ignore[no-untyped-def]
+            for _ in range(limit):
+                time.sleep(loop.config.period_seconds)
+                loop.run_once()
+                if check():
+                    return
+            raise AssertionError(
+                f"not within {limit} periods: measured {loop.measured}, errors {loop.errors}, "
+                f"actions {manager.get_slot('hog').qos_actions}, quota {_slot_quota_cpus(manager, 'hog')}"
+            )
+
+        def cut() -> float | None:
+            return _slot_quota_cpus(manager, "hog")
+
+        # Online runs at ~0.5 CPU: the hog's 1000 MB per CPU-second at best-effort's allowance is
+        # over the 200 MB/s budget, so its quota is cut to 200 / 1000 = 0.2 CPU.
+        step_until(lambda: cut() is not None)
+        assert cut() == pytest.approx(0.2, abs=0.02)
+        (action,) = [a for a in manager.get_slot("hog").qos_actions if a["action"] == "slot_cpu_quota"]
+        assert "MB per CPU-second" in action["reason"]
+        assert traffic.open_counters() >= 2  # the worker's two threads (more if it had more)
+        batch = manager.capacity()["batch"]
+        assert batch is not None
+        assert batch["best_effort_memory_traffic"]["budget_bytes_per_second"] == 200_000_000
+        # The online worker goes: the cut is lifted once the release window is quiet.
+        manager.release("web")
+        step_until(lambda: cut() is None)
+        assert manager.get_slot("hog").qos_actions[-1]["quota_cpus"] is None
+    finally:
+        traffic.close()
         manager.close()
