@@ -51,7 +51,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nodeagent import __version__
@@ -81,6 +81,7 @@ from nodeagent.isolation.foreign import ForeignCpu
 from nodeagent.isolation.isolator import Frozen
 from nodeagent.isolation.partitioning import HostPartitioning
 from nodeagent.placement import (
+    Allocated,
     Assignment,
     Capacity,
     PlacementOptions,
@@ -866,6 +867,45 @@ class SlotManager:
         """Where ``request`` would be placed now (nothing is held)."""
         with self._lock:
             return plan(self._topology, self._ledger.held, request, self._options, irq_load=self._irq_load())
+
+    def reserve_for_claims(self, claims: Sequence[tuple[str, SlotRequest]]) -> frozenset[int]:
+        """Keep the rest of the host off the exclusive CPUs that each claim of ``claims`` (a
+        standby's id and its pool's request) would be placed on, so that a claim placed there has
+        no host partitioning pass to make; the CPUs stay free for placement. The prediction is
+        made again at every change of what slots hold (in the same pass as the change: a release
+        does not put back a CPU the next claim takes), until the next call. Returns the CPUs."""
+        wanted = tuple(claims)
+        with self._lock:
+            due = self._ledger.predict((lambda held: self._claim_cpus(held, wanted)) if wanted else None)
+            reserved = self._ledger.reserved
+        if due:
+            # Outside the lock: a claim or allocate meanwhile does not wait for this pass, and
+            # the pass makes the host match the ledger as it is when it runs (LedgerPart).
+            self._ledger.sync_host()
+        return reserved
+
+    def _claim_cpus(self, held: Allocated, claims: Sequence[tuple[str, SlotRequest]]) -> frozenset[int]:
+        """The exclusive CPUs each claim would be placed on with ``held`` held (its standby's own
+        share given back first); a standby taken or gone meanwhile, or a claim that would not fit,
+        adds none."""
+        cpus: set[int] = set()
+        for standby_id, request in claims:
+            standby = self._store.get_slot(standby_id)
+            if standby is None or standby.pool is None or standby.assignment is None:
+                continue
+            try:
+                assignment = plan(
+                    self._topology,
+                    held.remove(standby.assignment),
+                    request,
+                    self._options,
+                    irq_load=self._irq_load(),
+                )
+            except NodeAgentError:
+                continue
+            if assignment.exclusive:
+                cpus.update(assignment.cpus)
+        return frozenset(cpus)
 
     def drop_standby(self, slot_id: str, why: str) -> None:
         """Remove a standby (starting or frozen) at once; one already gone is fine."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -155,6 +156,25 @@ def ms(values: list[float]) -> str:
     if not values:
         return "-"
     return f"{statistics.median(values) * 1000:.1f} [{min(values) * 1000:.1f}-{max(values) * 1000:.1f}]"
+
+
+def claim_steps(log_path: Path) -> dict[str, list[float]]:
+    """Each step of every claim so far, in ms, from the daemon's "standby taken" log records."""
+    steps: dict[str, list[float]] = {}
+    for line in log_path.read_text().splitlines() if log_path.exists() else []:
+        if '"standby taken"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        for step, value in (record.get("ms") or {}).items():
+            steps.setdefault(step, []).append(float(value))
+    return steps
+
+
+def ms_values(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
 def burst(client: httpx.Client, server: Server, count: int, memory: str) -> tuple[float, list[float]]:
@@ -306,6 +326,8 @@ def main() -> None:
     needed = sorted({*kinds, "oip"}, key=KINDS.index)
     with installed(needed, keep) as (installs, workers):
         config = config_text(first_port)
+        # Info: each claim's "standby taken" record has its steps' times (printed at the end).
+        config = config.replace('level = "warning"', 'level = "info"')
         if args.host_partitioning == "auto":
             config = config.replace('host_partitioning = "off"', 'host_partitioning = "auto"')
         daemon = DaemonProcess(work, config)
@@ -333,20 +355,25 @@ def main() -> None:
                         flush=True,
                     )
                 client.delete(f"/v1/pools/{kind}")
+            steps = claim_steps(daemon.log_path)
             first = found[kinds[0]]
-            total, each = burst(client, first, args.burst, args.memory)
-            client.delete(f"/v1/pools/{first.name}")
-            phases = neighbour(
-                client,
-                first,
-                found["oip"],
-                count=args.burst,
-                memory=args.memory,
-                rate=args.rate,
-                seconds=args.seconds,
-                rounds=args.neighbour_rounds,
-            )
-            client.delete(f"/v1/pools/{first.name}")
+            total, each = 0.0, []
+            if args.burst > 0:
+                total, each = burst(client, first, args.burst, args.memory)
+                client.delete(f"/v1/pools/{first.name}")
+            phases = []
+            if args.burst > 0 and args.neighbour_rounds > 0:
+                phases = neighbour(
+                    client,
+                    first,
+                    found["oip"],
+                    count=args.burst,
+                    memory=args.memory,
+                    rate=args.rate,
+                    seconds=args.seconds,
+                    rounds=args.neighbour_rounds,
+                )
+                client.delete(f"/v1/pools/{first.name}")
         finally:
             client.close()
             daemon.stop()
@@ -362,6 +389,12 @@ def main() -> None:
             f"{kind:10} {ms(row['pool alloc']):>22} {ms(row['pool']):>22} {ms(row['cold alloc']):>22} "
             f"{ms(row['cold']):>22} {ratio:>8.1f}x"
         )
+    if steps:
+        print("\nwhere a claim's time goes in the agent ('standby taken' records), ms: median [min-max]")
+        for step, values in steps.items():
+            print(f"  {step:10} {ms_values(values)}")
+    if not each:
+        return
     print(
         f"\nburst of {args.burst} claims from a pool of {args.burst} ({kinds[0]}): all answered in "
         f"{total * 1000:.0f} ms (each: median {statistics.median(each) * 1000:.0f} ms, "
@@ -371,6 +404,8 @@ def main() -> None:
         f"\nguaranteed neighbour at {args.rate:g} req/s, {args.seconds:g}s a phase, {len(phases)} rounds: "
         "median over rounds [min-max]"
     )
+    if not phases:
+        return
     for phase in ("pool full, idle", "pool refilling"):
         p50s = [pct(r[phase], 0.5) for r in phases]
         p99s = [pct(r[phase], 0.99) for r in phases]

@@ -113,7 +113,13 @@ class FakeIsolation:
         if name in self.world.fail_apply:
             raise CgroupError(f"cannot write cpuset of {spec.slot_id}")
         for other, body in self.world.cgroups.items():
-            if other != spec.slot_id and spec.exclusive and set(body["cpus"]) & spec.cpus:
+            # A shared slot's cpuset is the pool, which the real isolator shrinks for exclusive CPUs.
+            if (
+                other != spec.slot_id
+                and spec.exclusive
+                and body["exclusive"]
+                and set(body["cpus"]) & spec.cpus
+            ):
                 raise AssertionError(f"CPUs of {spec.slot_id} already held by {other} in the kernel")
         cpus = sorted(spec.cpus)
         cgroup = f"test.slice/{spec.slot_id}"

@@ -15,6 +15,7 @@ from nodeagent.agent.recovery import Manifests
 from nodeagent.agent.state import StateStore
 from nodeagent.errors import CgroupError
 from nodeagent.isolation.foreign import ForeignCpu
+from nodeagent.schema.pool import standby_name
 from nodeagent.schema.request import ResourcesPatch, parse_slot_request
 from tests.agent.test_manager import TOPOLOGY, FakeIsolation, FakeRuntime, World, guaranteed, store_name
 
@@ -172,3 +173,41 @@ def test_metrics_show_foreign_cpu_and_the_hosts_confinement(build: Any) -> None:
     assert "nodeagent_host_partitioning_active 1.0" in text
     assert 'nodeagent_host_confined_items{kind="tasks"} 12.0' in text
     assert "nodeagent_host_immovable_items 2.0" in text
+
+
+def test_the_host_is_kept_off_the_cpus_a_pools_next_claim_will_take(build: Any) -> None:
+    host = FakeHost()
+    manager = build(host)
+    standby = manager.allocate(
+        parse_slot_request(
+            {
+                "name": standby_name("web", "a1b2c3"),
+                "qos": "burstable",
+                "resources": {"cpus": 0.5, "memory": "64Mi"},
+            }
+        )
+    ).slot
+    claim = parse_slot_request(guaranteed("a", cpus=2))
+    reserved = manager.reserve_for_claims([(standby.id, claim)])
+    assert len(reserved) == 2
+    assert host.calls[-1] == reserved  # confined ahead; the ledger holds nothing more
+    assert manager.reserve_for_claims([(standby.id, claim)]) == reserved
+    calls = len(host.calls)
+    # Any allocation placed there (a claim, or here a cold one) finds the host confined already.
+    taken = manager.allocate(claim).slot
+    assert taken.assignment is not None
+    assert F(taken.assignment.cpus) == reserved
+    # The same pass confined the next claim's CPUs, predicted again with the new ledger.
+    assert len(host.calls) == calls + 1
+    following = host.calls[-1] - reserved
+    assert len(following) == 2
+    # A release whose CPUs the next claim will take keeps them confined in its one pass.
+    manager.release(taken.id)
+    assert host.calls[-1] == reserved
+    assert F() not in host.calls[1:], "the host was never put back on the next claim's CPUs"
+    # Nothing to claim for: only what slots hold stays confined (nothing).
+    manager.reserve_for_claims([])
+    assert host.calls[-1] == F()
+    # A claim that cannot fit, or a standby gone, reserves nothing (and fails nothing).
+    assert manager.reserve_for_claims([(standby.id, parse_slot_request(guaranteed("c", cpus=64)))]) == F()
+    assert manager.reserve_for_claims([("gone", claim)]) == F()
