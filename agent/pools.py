@@ -127,6 +127,7 @@ class Pools:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reserving = False  # CPUs are reserved for the next claims (_reserve_ahead)
         manager.attach_pools(self._rank, self._shape)
 
     # ------------------------------------------------------------------ life cycle
@@ -293,7 +294,11 @@ class Pools:
             standbys = self._preferred_standbys(spec, request) or self._manager.standby_slots(spec.name)
             if standbys:
                 claims.append((standbys[0].id, request))
-        self._manager.reserve_for_claims(claims)
+        if claims or self._reserving:
+            # (Nothing to reserve and nothing reserved: the manager's lock is not taken for nothing
+            # each time a change wakes this loop.)
+            self._manager.reserve_for_claims(claims)
+            self._reserving = bool(claims)
 
     def _tend_pool(self, state: _PoolState, slots: list[Slot]) -> None:
         spec = state.spec
