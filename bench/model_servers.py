@@ -281,7 +281,14 @@ def servers(installs: dict[str, Path], workers: dict[str, dict[str, Any]], cpus:
         found["kserve"] = Server(
             "kserve",
             lambda p, _, python=python, model=model: (
-                [python, model, f"--http_port={p['http']}", f"--grpc_port={p['grpc']}", "--workers=1"],
+                [
+                    python,
+                    model,
+                    f"--http_port={p['http']}",
+                    f"--grpc_port={p['grpc']}",
+                    "--workers=1",
+                    f"--model_name={MODEL}",  # what the preset passes; the script's default is another
+                ],
                 {},
             ),
             {"preset": "kserve", "command": [python, model], "model_name": MODEL},
