@@ -18,6 +18,8 @@ Paths (JSON; versioned under /v1)::
     DELETE /v1/nri/containers/{id}     the container stopped or was removed: release its slot (204)
     POST   /v1/nri/synchronize         every container the runtime has: keep, release, allocate
                                        (422 unsupported unless ``[kubernetes] nri = true``)
+    GET    /v1/nri/updates?version=V&wait=S  shared containers' cpusets once the shared pool is
+                                       not V (long poll, S <= 30 s)
     POST   /v1/pools                   create a warm standby pool (PoolSpec) -> Pool (201; 200 same again)
     GET    /v1/pools, /v1/pools/{name} pools with their standbys; PATCH {"size": N}; DELETE (204)
     POST   /v1/slots {"name", "pool"}  allocate from a pool: a frozen standby placed and thawed
@@ -110,6 +112,7 @@ from nodeagent.schema.nri_messages import (
     NriContainer,
     NriSynchronize,
     NriSyncResult,
+    NriUpdates,
 )
 from nodeagent.schema.pool import POOL_NAME, PoolClaim, PoolResize, PoolSpec, is_standby_name
 from nodeagent.schema.request import NAME_PATTERN, Resize, SlotRequest
@@ -130,6 +133,8 @@ class JSONBody(JSONResponse):
 MAX_BODY_BYTES = 1024 * 1024
 MAX_LOG_LINES = 10_000
 DEFAULT_LOG_LINES = 100
+#: The longest GET /v1/nri/updates waits for a change of the shared pool; the shim asks again.
+MAX_NRI_WAIT_S = 30.0
 #: Slot ids and names become cgroup and netns names: the same safe identifier everywhere.
 SLOT_ID_PATTERN = f"^{NAME_PATTERN.pattern}$"
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"})
@@ -468,15 +473,16 @@ def _add_pool_routes(app: FastAPI, pools: Pools | None) -> None:
 
 def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
     """The NRI shim's calls (kube/nri-shim); every decision is agent.nri's."""
-    containers = NriContainers(service)
+    containers = NriContainers(service) if enabled else None
 
-    def require_nri() -> None:
-        if not enabled:
+    def require_nri() -> NriContainers:
+        if containers is None:
             raise Unsupported(
                 "this agent does not place containers from NRI; set [kubernetes] nri = true in its config "
                 "and restart it"
             )
         _require_ready(service)
+        return containers
 
     @app.post(
         "/v1/nri/containers",
@@ -486,8 +492,7 @@ def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
         responses=_WRITE_ERRORS,
     )
     def nri_create(body: NriContainer) -> JSONResponse:
-        require_nri()
-        return JSONBody(containers.create(body).model_dump(mode="json"))
+        return JSONBody(require_nri().create(body).model_dump(mode="json"))
 
     @app.delete(
         "/v1/nri/containers/{container_id}",
@@ -500,8 +505,7 @@ def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
     def nri_remove(
         container_id: Annotated[str, Path(pattern=f"^{CONTAINER_ID_PATTERN.pattern}$", max_length=128)],
     ) -> Response:
-        require_nri()
-        containers.remove(container_id)
+        require_nri().remove(container_id)
         return Response(status_code=204)
 
     @app.post(
@@ -512,8 +516,25 @@ def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
         responses=_WRITE_ERRORS,
     )
     def nri_synchronize(body: NriSynchronize) -> JSONResponse:
-        require_nri()
-        return JSONBody(containers.synchronize(body.containers).model_dump(mode="json"))
+        return JSONBody(require_nri().synchronize(body.containers).model_dump(mode="json"))
+
+    @app.get(
+        "/v1/nri/updates",
+        tags=["nri"],
+        summary="Shared containers' cpusets once the shared pool differs from `version` (long poll)",
+        response_model=NriUpdates,
+        responses=_READ_ERRORS,
+    )
+    def nri_updates(
+        version: Annotated[
+            str,
+            Query(max_length=4096, description="the pool the caller's containers follow; empty: none yet"),
+        ] = "",
+        wait: Annotated[
+            float, Query(ge=0, le=MAX_NRI_WAIT_S, description="seconds to wait for a change of the pool")
+        ] = 0,
+    ) -> JSONResponse:
+        return JSONBody(require_nri().updates(version, wait).model_dump(mode="json"))
 
 
 def _add_worker_routes(app: FastAPI, service: SlotService) -> None:

@@ -1049,6 +1049,9 @@ class SlotManager:
             raise NotFound(f"no slot with id or name {slot_id!r}; list slots with GET /v1/slots")
         return slot
 
+    def shared_pool(self) -> frozenset[int]:
+        return self._shared_pool()
+
     def _shared_pool(self) -> frozenset[int]:
         usable = placement_index(self._topology).usable(self._options)
         pool = usable.pool_base & ~self._ledger.held.cpu_mask

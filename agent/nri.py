@@ -22,13 +22,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import threading
+import time
 from typing import Any
 
 from nodeagent.agent.service import SlotService
 from nodeagent.agent.slot import Slot
 from nodeagent.cpulist import format_cpulist
+from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest, NodeAgentError, NotFound
-from nodeagent.schema.nri_messages import NriAdjustment, NriContainer, NriSyncResult
+from nodeagent.schema.nri_messages import NriAdjustment, NriContainer, NriSyncResult, NriUpdate, NriUpdates
 from nodeagent.schema.quantity import MILLI
 from nodeagent.schema.request import NAME_PATTERN, QoS, SlotRequest, parse_slot_request
 
@@ -172,37 +175,87 @@ def slot_request(container: NriContainer) -> SlotRequest:
         ) from None
 
 
-def adjustment(slot: Slot) -> NriAdjustment:
-    """What the runtime applies: exclusive CPUs and their NUMA nodes for a guaranteed slot (a
-    shared slot's pool moves as guaranteed slots come and go, so it is not pinned here), and the
+def shared_cpus(
+    slot: Slot, pool: frozenset[int], topology: Topology
+) -> tuple[frozenset[int], frozenset[int]]:
+    """A shared slot's cpuset and mems: the pool, on the slot's NUMA nodes when its memory is bound
+    to them (as the isolator narrows a shared slot's own cgroup); no mems when it is not bound."""
+    a = slot.assignment
+    if a is None or not a.memory_by_node:
+        return pool, frozenset()
+    nodes = frozenset(a.numa_nodes)
+    on_nodes = pool & frozenset(c for n in topology.numa_nodes if n.id in nodes for c in n.cpus)
+    return (on_nodes or pool), nodes
+
+
+def adjustment(slot: Slot, pool: frozenset[int], topology: Topology) -> NriAdjustment:
+    """What the runtime applies: exclusive CPUs and their NUMA nodes for a guaranteed slot, the
+    shared pool (as it is now; :class:`NriContainers` moves it later) for a shared one, and the
     slot's memory limit."""
     a = slot.assignment
     exclusive = a is not None and a.exclusive and bool(a.cpus)
+    if exclusive and a is not None:
+        cpus, mems = frozenset(a.cpus), frozenset(a.numa_nodes)
+    elif pool:
+        cpus, mems = shared_cpus(slot, pool, topology)
+    else:  # no shared CPU left at all: leave the kubelet's cpuset rather than ask for an empty one
+        cpus, mems = frozenset(), frozenset()
     return NriAdjustment(
         container_id="",
         slot_id=slot.id,
         slot_name=slot.name,
         qos=slot.qos,
-        cpuset_cpus=format_cpulist(a.cpus) if exclusive and a is not None else "",
-        cpuset_mems=format_cpulist(a.numa_nodes) if exclusive and a is not None and a.numa_nodes else "",
+        cpuset_cpus=format_cpulist(cpus),
+        cpuset_mems=format_cpulist(mems),
         memory_limit=slot.request.resources.memory_bytes,
     )
 
 
+def pool_version(pool: frozenset[int]) -> str:
+    """The name of a shared pool in GET /v1/nri/updates: its CPU list ("none" when empty)."""
+    return format_cpulist(pool) or "none"
+
+
 class NriContainers:
-    """The NRI events, over the slot service."""
+    """The NRI events, over the slot service.
+
+    Besides placing each container, it keeps the shared containers' cpusets on the shared pool:
+    the pool shrinks when a guaranteed slot takes exclusive CPUs and grows when one is released,
+    from a container or through the REST API alike. A guaranteed container's own answer carries
+    the other shared containers' new cpusets (applied before it starts); every other change
+    reaches the shim through :meth:`updates`, which it long-polls. The container ids are kept in
+    memory (a slot's name holds only the first 59 digits); Synchronize, which follows every
+    registration of the shim and so every agent restart, fills them again.
+    """
 
     def __init__(self, service: SlotService) -> None:
         self._service = service
+        #: slot name -> the runtime's whole container id, for the containers the agent places
+        self._ids: dict[str, str] = {}
+        self._changed = threading.Condition()
+        self._generation = 0
+        service.subscribe(self._on_change)
+
+    def _on_change(self) -> None:
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
 
     def create(self, container: NriContainer) -> NriAdjustment:
         """Allocate the container's slot (the same slot again for the same id); the errors of
         translation (InvalidRequest) and placement (PlacementError) propagate with their reason."""
         request = slot_request(container)
-        result = self._service.allocate(request)
-        if not result.slot.holding:  # a failed slot of this container holds nothing: make it again
-            self._service.release(result.slot.id)
+        with self._changed:
+            self._ids[request.name] = container.id
+        before = self._service.shared_pool()
+        try:
             result = self._service.allocate(request)
+            if not result.slot.holding:  # a failed slot of this container holds nothing: make it again
+                self._service.release(result.slot.id)
+                result = self._service.allocate(request)
+        except NodeAgentError:
+            self._forget_unless_held(request.name)
+            raise
         if result.created:
             log.info(
                 "nri container placed",
@@ -213,11 +266,28 @@ class NriContainers:
                     "qos": request.qos,
                 },
             )
-        return adjustment(result.slot).model_copy(update={"container_id": container.id})
+        pool = self._service.shared_pool()
+        answer = adjustment(result.slot, pool, self._service.topology())
+        updates: tuple[NriUpdate, ...] = ()
+        if pool != before:
+            # The exclusive CPUs it took leave every other shared container now, not a poll later.
+            updates = tuple(u for u in self._shared_updates(pool) if u.container_id != container.id)
+        return answer.model_copy(
+            update={"container_id": container.id, "updates": updates, "pool_version": pool_version(pool)}
+        )
+
+    def _forget_unless_held(self, name: str) -> None:
+        try:
+            self._service.get_slot(name)
+        except NotFound:
+            with self._changed:
+                self._ids.pop(name, None)
 
     def remove(self, container_id: str) -> bool:
         """Release the container's slot; False when it had none (already released, or refused)."""
         name = slot_name(container_id)
+        with self._changed:
+            self._ids.pop(name, None)
         try:
             self._service.release(name)
         except NotFound:
@@ -228,8 +298,11 @@ class NriContainers:
     def synchronize(self, containers: tuple[NriContainer, ...]) -> NriSyncResult:
         """Match the runtime's containers to slots: keep those that still run, release those whose
         container is gone, allocate for containers without one (a container that cannot be placed
-        keeps running as the kubelet made it, and is reported)."""
+        keeps running as the kubelet made it, and is reported). Every kept or placed container's
+        adjustment comes back, shared containers' cpusets on the pool as it is now."""
         wanted = {slot_name(c.id): c for c in containers}
+        with self._changed:
+            self._ids = {name: c.id for name, c in wanted.items()}
         held = {s.name: s for s in self._service.list_slots() if is_container_slot(s)}
         released: list[str] = []
         for name in sorted(set(held) - set(wanted)):
@@ -238,20 +311,69 @@ class NriContainers:
             except NotFound:
                 continue
             released.append(name)
-        updates: list[NriAdjustment] = []
         refused: dict[str, str] = {}
         for name, container in wanted.items():
             slot = held.get(name)
+            if slot is not None and slot.holding:
+                continue
             try:
-                if slot is None or not slot.holding:
-                    updates.append(self.create(container))
-                else:
-                    updates.append(adjustment(slot).model_copy(update={"container_id": container.id}))
+                self.create(container)
             except NodeAgentError as err:
                 refused[container.id] = str(err)
+        # Adjustments last, on the pool once every container is placed (a guaranteed one placed
+        # above may have shrunk it after an earlier shared one's answer was made).
+        pool = self._service.shared_pool()
+        topology = self._service.topology()
+        slots = {s.name: s for s in self._service.list_slots() if is_container_slot(s)}
+        updates = tuple(
+            adjustment(slots[name], pool, topology).model_copy(update={"container_id": c.id})
+            for name, c in wanted.items()
+            if name in slots and c.id not in refused
+        )
         if released or refused:
             log.info("nri synchronize", extra={"released": released, "refused": refused})
-        return NriSyncResult(updates=tuple(updates), released=tuple(released), refused=refused)
+        return NriSyncResult(updates=updates, released=tuple(released), refused=refused)
+
+    def updates(self, version: str, wait: float) -> NriUpdates:
+        """The shared containers' cpusets once the pool is not ``version`` any more (at once when
+        it already is not; after ``wait`` seconds at most, with no updates, when it stays)."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._changed:
+                generation = self._generation
+            pool = self._service.shared_pool()
+            current = pool_version(pool)
+            if current != version:
+                return NriUpdates(version=current, updates=self._shared_updates(pool))
+            with self._changed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return NriUpdates(version=current)
+                if self._generation == generation:
+                    self._changed.wait(remaining)
+
+    def _shared_updates(self, pool: frozenset[int]) -> tuple[NriUpdate, ...]:
+        """Each shared container's cpuset (and mems) on ``pool``; none when the pool is empty."""
+        if not pool:
+            return ()
+        with self._changed:
+            ids = dict(self._ids)
+        topology = self._service.topology()
+        found: list[NriUpdate] = []
+        for slot in self._service.list_slots():
+            container_id = ids.get(slot.name)
+            a = slot.assignment
+            if container_id is None or a is None or a.exclusive or not slot.holding:
+                continue
+            cpus, mems = shared_cpus(slot, pool, topology)
+            found.append(
+                NriUpdate(
+                    container_id=container_id,
+                    cpuset_cpus=format_cpulist(cpus),
+                    cpuset_mems=format_cpulist(mems),
+                )
+            )
+        return tuple(found)
 
 
 __all__ = [
@@ -261,6 +383,8 @@ __all__ = [
     "adjustment",
     "is_container_slot",
     "pod_class",
+    "pool_version",
+    "shared_cpus",
     "slot_name",
     "slot_request",
 ]

@@ -85,6 +85,10 @@ class SlotService(Protocol):
         """placement.capacity(...).to_dict() plus device health and slot counts."""
         ...
 
+    def shared_pool(self) -> frozenset[int]:
+        """The CPUs burstable and best-effort slots share now (usable, held by no exclusive slot)."""
+        ...
+
     def list_slots(self, *, standby: bool = False) -> list[Slot]:
         """Every slot; warm pools' standbys too with ``standby``."""
         ...

@@ -62,8 +62,21 @@ class NriSynchronize(StrictModel):
     containers: Annotated[tuple[NriContainer, ...], AsTuple, Field(max_length=MAX_CONTAINERS)] = ()
 
 
+class NriUpdate(StrictModel):
+    """A change to a container the runtime already runs (NRI's ContainerUpdate): a shared
+    container's cpuset following the shared pool as guaranteed slots come and go."""
+
+    container_id: str
+    cpuset_cpus: str = ""
+    cpuset_mems: str = ""
+
+
 class NriAdjustment(StrictModel):
-    """What the runtime is to apply to the container ("" / 0: leave as the kubelet set it)."""
+    """What the runtime is to apply to the container ("" / 0: leave as the kubelet set it).
+
+    A guaranteed container that took CPUs from the shared pool also carries ``updates``: the other
+    shared containers' cpusets without those CPUs, which the shim returns with CreateContainer so
+    the runtime applies them before the new container starts."""
 
     container_id: str
     slot_id: str
@@ -72,6 +85,19 @@ class NriAdjustment(StrictModel):
     cpuset_cpus: str = ""
     cpuset_mems: str = ""
     memory_limit: int = 0
+    updates: tuple[NriUpdate, ...] = ()
+    #: the shared pool the answer follows (as GET /v1/nri/updates gives it)
+    pool_version: str = ""
+
+
+class NriUpdates(StrictModel):
+    """GET /v1/nri/updates: every shared container's cpuset for the pool as it is now.
+
+    ``version`` names that pool; a shim that passes it back is answered when the pool differs
+    (or at the end of its wait, with no updates)."""
+
+    version: str
+    updates: tuple[NriUpdate, ...] = ()
 
 
 class NriSyncResult(StrictModel):
@@ -90,5 +116,7 @@ __all__ = [
     "NriContainer",
     "NriSyncResult",
     "NriSynchronize",
+    "NriUpdate",
+    "NriUpdates",
     "PodRef",
 ]

@@ -5,7 +5,10 @@
 // Linux resources, the pod's nodeagent.io/ annotations) to the agent's /v1/nri/ endpoints, and the
 // agent's answer becomes the container's adjustment (cpuset cpus and mems, memory limit). A refusal
 // fails the container's creation with the agent's reason; an agent that does not answer within
-// -timeout fails it too, so the kubelet is never blocked for long.
+// -timeout fails it too, so the kubelet is never blocked for long. Shared (Burstable, BestEffort)
+// containers follow the agent's shared pool: a guaranteed container's answer moves them off its
+// CPUs at once, and a long poll of /v1/nri/updates applies every other change of the pool as
+// unsolicited updates (the only thing the shim remembers is the pool it last applied).
 package main
 
 import (
@@ -59,6 +62,10 @@ type adjustment struct {
 	CPUSetCPUs  string `json:"cpuset_cpus"`
 	CPUSetMems  string `json:"cpuset_mems"`
 	MemoryLimit int64  `json:"memory_limit"`
+	// Updates: other (shared) containers' new cpusets, when this container took CPUs from the
+	// shared pool; returned with CreateContainer so they apply before it starts.
+	Updates     []adjustment `json:"updates"`
+	PoolVersion string       `json:"pool_version"`
 }
 
 type syncResult struct {
@@ -66,6 +73,15 @@ type syncResult struct {
 	Released []string          `json:"released"`
 	Refused  map[string]string `json:"refused"`
 }
+
+// poolUpdates: GET /v1/nri/updates, the shared containers' cpusets for the pool named Version.
+type poolUpdates struct {
+	Version string       `json:"version"`
+	Updates []adjustment `json:"updates"`
+}
+
+// pollWait: how long one GET /v1/nri/updates waits for the shared pool to change.
+const pollWait = 20 * time.Second
 
 type agentError struct {
 	Error struct {
@@ -85,6 +101,14 @@ type plugin struct {
 	// failOpen: an unreachable agent lets the container be created as the kubelet asked (a refusal
 	// still fails it); the Synchronize after the agent is back places it.
 	failOpen bool
+	// version: the shared pool the runtime's shared containers were last told (pool_version);
+	// "" after a start, so the first poll brings every shared container up to date.
+	version atomic.Value
+}
+
+func (p *plugin) knownVersion() string {
+	v, _ := p.version.Load().(string)
+	return v
 }
 
 // unreachable: the agent did not answer (as opposed to answering with a refusal).
@@ -95,7 +119,11 @@ func (u unreachable) Unwrap() error { return u.err }
 
 // call sends one request to the agent and decodes its JSON answer into out (nil: none expected).
 func (p *plugin) call(ctx context.Context, method, path string, body, out any) error {
-	ctx, cancel := context.WithTimeout(ctx, p.timeout)
+	return p.callWithin(ctx, p.timeout, method, path, body, out)
+}
+
+func (p *plugin) callWithin(ctx context.Context, timeout time.Duration, method, path string, body, out any) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var reader io.Reader
 	if body != nil {
@@ -186,7 +214,83 @@ func (p *plugin) CreateContainer(ctx context.Context, pod *api.PodSandbox, ctr *
 	if a.MemoryLimit > 0 {
 		adj.SetLinuxMemoryLimit(a.MemoryLimit)
 	}
-	return adj, nil, nil
+	updates := containerUpdates(a.Updates)
+	if len(updates) > 0 {
+		p.version.Store(a.PoolVersion)
+	}
+	return adj, updates, nil
+}
+
+// containerUpdates: the agent's answers as NRI updates of cpuset and memory limit. An update of a
+// container that ended meanwhile must not fail the event it comes with: IgnoreFailure.
+func containerUpdates(list []adjustment) []*api.ContainerUpdate {
+	var updates []*api.ContainerUpdate
+	for _, a := range list {
+		if a.CPUSetCPUs == "" && a.CPUSetMems == "" && a.MemoryLimit <= 0 {
+			continue
+		}
+		u := &api.ContainerUpdate{IgnoreFailure: true}
+		u.SetContainerId(a.ContainerID)
+		if a.CPUSetCPUs != "" {
+			u.SetLinuxCPUSetCPUs(a.CPUSetCPUs)
+		}
+		if a.CPUSetMems != "" {
+			u.SetLinuxCPUSetMems(a.CPUSetMems)
+		}
+		if a.MemoryLimit > 0 {
+			u.SetLinuxMemoryLimit(a.MemoryLimit)
+		}
+		updates = append(updates, u)
+	}
+	return updates
+}
+
+// updater is what the poll needs of the stub: unsolicited container updates.
+type updater interface {
+	UpdateContainers([]*api.ContainerUpdate) ([]*api.ContainerUpdate, error)
+}
+
+// follow keeps the shared containers on the agent's shared pool: it long-polls GET
+// /v1/nri/updates with the version the runtime was last told and applies what comes back (a
+// guaranteed slot made or released through the agent's REST API, or a container's slot released,
+// moves the pool between NRI events). Until ctx ends.
+func (p *plugin) follow(ctx context.Context, s updater) {
+	for ctx.Err() == nil {
+		if !p.pollOnce(ctx, s) {
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+}
+
+// pollOnce: one long poll and its updates applied; false when either failed (try again later).
+func (p *plugin) pollOnce(ctx context.Context, s updater) bool {
+	var r poolUpdates
+	path := "/v1/nri/updates?version=" + url.QueryEscape(p.knownVersion()) +
+		fmt.Sprintf("&wait=%d", int(pollWait/time.Second))
+	if err := p.callWithin(ctx, pollWait+p.timeout, http.MethodGet, path, nil, &r); err != nil {
+		if ctx.Err() == nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: polling the shared pool: %v\n", err)
+		}
+		return false
+	}
+	if updates := containerUpdates(r.Updates); len(updates) > 0 {
+		failed, err := s.UpdateContainers(updates)
+		if errors.Is(err, stub.ErrNoService) {
+			return false // not registered yet: the registration's Synchronize comes first
+		}
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "nri-shim: moving %d shared containers to CPUs of pool %s: %v\n", len(updates), r.Version, err)
+			return false
+		}
+		for _, f := range failed {
+			fmt.Fprintf(os.Stderr, "nri-shim: container %s was not moved to pool %s (gone?)\n", f.GetContainerId(), r.Version)
+		}
+	}
+	p.version.Store(r.Version)
+	return true
 }
 
 func (p *plugin) release(ctx context.Context, ctr *api.Container) error {
@@ -221,25 +325,7 @@ func (p *plugin) Synchronize(ctx context.Context, pods []*api.PodSandbox, ctrs [
 	for id, why := range r.Refused {
 		fmt.Fprintf(os.Stderr, "nri-shim: container %s keeps running unplaced: %s\n", id, why)
 	}
-	updates := []*api.ContainerUpdate{}
-	for _, a := range r.Updates {
-		if a.CPUSetCPUs == "" && a.CPUSetMems == "" && a.MemoryLimit <= 0 {
-			continue
-		}
-		u := &api.ContainerUpdate{}
-		u.SetContainerId(a.ContainerID)
-		if a.CPUSetCPUs != "" {
-			u.SetLinuxCPUSetCPUs(a.CPUSetCPUs)
-		}
-		if a.CPUSetMems != "" {
-			u.SetLinuxCPUSetMems(a.CPUSetMems)
-		}
-		if a.MemoryLimit > 0 {
-			u.SetLinuxMemoryLimit(a.MemoryLimit)
-		}
-		updates = append(updates, u)
-	}
-	return updates, nil
+	return containerUpdates(r.Updates), nil
 }
 
 // ready: the agent answers /readyz (no token needed) with 200.
@@ -317,6 +403,9 @@ func main() {
 		}
 		ctx, cancel := context.WithCancel(stop)
 		go p.watch(ctx, cancel)
+		// Every registration's Synchronize tells the runtime the pool anew; the poll starts over.
+		p.version.Store("")
+		go p.follow(ctx, s)
 		err = s.Run(ctx)
 		cancel()
 		if err != nil && ctx.Err() == nil {

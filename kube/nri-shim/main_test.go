@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -146,5 +147,70 @@ func TestFailOpenCreatesUnplacedOnlyWhileTheAgentDoesNotAnswer(t *testing.T) {
 	refusing.failOpen = true
 	if _, _, err := refusing.CreateContainer(context.Background(), pod, ctr); err == nil {
 		t.Fatal("a refusal must fail the creation even with -fail-open")
+	}
+}
+
+func TestAGuaranteedContainersAnswerMovesTheSharedOnes(t *testing.T) {
+	p := fakeAgent(t, func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte(`{"container_id":"c1","slot_id":"s1","slot_name":"nri-c1","qos":"guaranteed","cpuset_cpus":"3","cpuset_mems":"0","memory_limit":67108864,` +
+			`"updates":[{"container_id":"b1","cpuset_cpus":"0-2"},{"container_id":"b2","cpuset_cpus":"0-2","cpuset_mems":"0"}],"pool_version":"0-2"}`))
+	})
+	pod, ctr := guaranteedContainer()
+	_, updates, err := p.CreateContainer(context.Background(), pod, ctr)
+	if err != nil || len(updates) != 2 {
+		t.Fatalf("CreateContainer: %v %v", err, updates)
+	}
+	for _, u := range updates {
+		if u.GetLinux().GetResources().GetCpu().GetCpus() != "0-2" || !u.GetIgnoreFailure() {
+			t.Fatalf("update %+v", u)
+		}
+	}
+	if updates[1].GetContainerId() != "b2" || updates[1].GetLinux().GetResources().GetCpu().GetMems() != "0" {
+		t.Fatalf("update %+v", updates[1])
+	}
+	if p.knownVersion() != "0-2" {
+		t.Fatalf("version %q", p.knownVersion())
+	}
+}
+
+type fakeRuntime struct {
+	got  [][]*api.ContainerUpdate
+	fail error
+}
+
+func (f *fakeRuntime) UpdateContainers(u []*api.ContainerUpdate) ([]*api.ContainerUpdate, error) {
+	f.got = append(f.got, u)
+	return nil, f.fail
+}
+
+func TestThePollAppliesPoolChangesAndRemembersTheVersion(t *testing.T) {
+	var asked []string
+	p := fakeAgent(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodGet || r.URL.Path != "/v1/nri/updates" || r.Header.Get("Authorization") != "Bearer tok" {
+			http.Error(w, "unexpected "+r.Method+" "+r.URL.Path, http.StatusTeapot)
+			return
+		}
+		asked = append(asked, r.URL.Query().Get("version")+"/"+r.URL.Query().Get("wait"))
+		if r.URL.Query().Get("version") == "0-3" {
+			_, _ = w.Write([]byte(`{"version":"0-3","updates":[]}`))
+			return
+		}
+		_, _ = w.Write([]byte(`{"version":"0-3","updates":[{"container_id":"b1","cpuset_cpus":"0-3"}]}`))
+	})
+	runtime := &fakeRuntime{}
+	if !p.pollOnce(context.Background(), runtime) || !p.pollOnce(context.Background(), runtime) {
+		t.Fatal("poll failed")
+	}
+	if strings.Join(asked, " ") != "/20 0-3/20" {
+		t.Fatalf("asked %v", asked)
+	}
+	if len(runtime.got) != 1 || runtime.got[0][0].GetContainerId() != "b1" || runtime.got[0][0].GetLinux().GetResources().GetCpu().GetCpus() != "0-3" {
+		t.Fatalf("applied %+v", runtime.got)
+	}
+	// The runtime refusing the updates keeps the old version, so the next poll brings them again.
+	p.version.Store("")
+	runtime.fail = errors.New("runtime busy")
+	if p.pollOnce(context.Background(), runtime) || p.knownVersion() != "" {
+		t.Fatalf("a failed update was remembered as applied: %q", p.knownVersion())
 	}
 }

@@ -67,6 +67,11 @@ class FakeSlotService:
         with self._lock:
             return capacity(self._topology, self._allocated()).to_dict()
 
+    def shared_pool(self) -> frozenset[int]:
+        with self._lock:
+            exclusive = {c for s in self._slots.values() if s.assignment.exclusive for c in s.assignment.cpus}
+        return frozenset(c.id for c in self._topology.cpus) - exclusive
+
     def list_slots(self) -> list[Slot]:
         with self._lock:
             return [s.view for s in self._slots.values()]

@@ -3,6 +3,7 @@ fake service (real parser and planner, no kernel)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from nodeagent.agent.api import create_app
 from nodeagent.agent.nri import SLOT_PREFIX, slot_name, slot_request
 from nodeagent.agent.slot import SlotState
+from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import InvalidRequest
 from nodeagent.schema.nri_messages import NriContainer
 from tests.agent.fake_service import FakeSlotService
@@ -176,9 +178,98 @@ def test_create_places_a_guaranteed_container_on_exclusive_cpus(client: AppClien
     assert len(client.get("/v1/slots").json()["slots"]) == 1
 
 
-def test_a_shared_slot_is_not_pinned(client: AppClient) -> None:
+def cpus_of(cpulist: str) -> set[int]:
+    return set(parse_cpulist(cpulist))
+
+
+def test_a_shared_container_gets_the_shared_pool(client: AppClient, service: FakeSlotService) -> None:
     body = client.post("/v1/nri/containers", json=container(qos_class="Burstable", memory=1 << 28)).json()
-    assert (body["qos"], body["cpuset_cpus"], body["cpuset_mems"]) == ("burstable", "", "")
+    assert (body["qos"], body["cpuset_mems"], body["updates"]) == ("burstable", "", [])
+    assert (
+        cpus_of(body["cpuset_cpus"]) == set(service.shared_pool()) == {c.id for c in service.topology().cpus}
+    )
+    assert body["pool_version"] == body["cpuset_cpus"]
+
+
+def test_a_guaranteed_container_moves_the_shared_ones_off_its_cpus(client: AppClient) -> None:
+    shared = "e" * 64
+    best_effort = "f" * 64
+    client.post("/v1/nri/containers", json=container(shared, qos_class="Burstable", memory=1 << 28))
+    client.post("/v1/nri/containers", json=container(best_effort, qos_class="BestEffort"))
+    body = client.post("/v1/nri/containers", json=container(**GUARANTEED_1)).json()
+    exclusive = cpus_of(body["cpuset_cpus"])
+    assert exclusive
+    updates = {u["container_id"]: u for u in body["updates"]}
+    # Both shared containers, not the new one, are told the pool without its exclusive CPUs.
+    assert set(updates) == {shared, best_effort}
+    for update in updates.values():
+        assert cpus_of(update["cpuset_cpus"]) == cpus_of(body["pool_version"])
+        assert not cpus_of(update["cpuset_cpus"]) & exclusive
+    # A second shared container placed now gets the smaller pool in its own answer.
+    later = client.post("/v1/nri/containers", json=container("9" * 64, qos_class="BestEffort")).json()
+    assert later["updates"] == []
+    assert not cpus_of(later["cpuset_cpus"]) & exclusive
+
+
+def test_updates_follow_rest_slots_and_releases(client: AppClient, service: FakeSlotService) -> None:
+    shared = "e" * 64
+    first = client.post(
+        "/v1/nri/containers", json=container(shared, qos_class="Burstable", memory=1 << 28)
+    ).json()
+    version = first["pool_version"]
+    # Nothing changed: an immediate answer with no updates and the same version.
+    same = client.get("/v1/nri/updates", params={"version": version, "wait": 0}).json()
+    assert same == {"version": version, "updates": []}
+    # A shim that knows no version yet gets every shared container.
+    fresh = client.get("/v1/nri/updates").json()
+    assert [u["container_id"] for u in fresh["updates"]] == [shared]
+    # A guaranteed slot made through REST, while the shim waits: its CPUs leave the shared containers.
+    answers: list[dict[str, Any]] = []
+    waiter = threading.Thread(
+        target=lambda: answers.append(
+            client.get("/v1/nri/updates", params={"version": version, "wait": 20}).json()
+        )
+    )
+    waiter.start()
+    rest = client.post(
+        "/v1/slots", json={"name": "rest-g", "qos": "guaranteed", "resources": {"cpus": 2, "memory": "64Mi"}}
+    ).json()
+    waiter.join(timeout=25)
+    assert answers, "the long poll did not return"
+    taken = set(rest["assignment"]["cpus"])
+    (update,) = answers[0]["updates"]
+    assert update["container_id"] == shared
+    assert not cpus_of(update["cpuset_cpus"]) & taken
+    assert answers[0]["version"] != version
+    # Its release gives them back.
+    client.delete(f"/v1/slots/{rest['id']}")
+    back = client.get("/v1/nri/updates", params={"version": answers[0]["version"], "wait": 0}).json()
+    assert cpus_of(back["updates"][0]["cpuset_cpus"]) == set(service.shared_pool())
+    assert back["version"] == version
+
+
+def test_a_removed_container_gets_no_updates(client: AppClient) -> None:
+    shared = "e" * 64
+    client.post("/v1/nri/containers", json=container(shared, qos_class="BestEffort"))
+    client.delete(f"/v1/nri/containers/{shared}")
+    assert client.get("/v1/nri/updates").json()["updates"] == []
+
+
+def test_a_numa_bound_shared_container_stays_on_its_node(client: AppClient, service: FakeSlotService) -> None:
+    body = client.post(
+        "/v1/nri/containers",
+        json=container(qos_class="Burstable", memory=1 << 28, annotations={"nodeagent.io/numa": "single"}),
+    ).json()
+    (node,) = cpus_of(body["cpuset_mems"])
+    on_node = {c for n in service.topology().numa_nodes if n.id == node for c in n.cpus}
+    assert cpus_of(body["cpuset_cpus"]) == on_node
+
+
+def test_updates_need_nri(service: FakeSlotService) -> None:
+    client = AppClient(create_app(service, token=TOKEN), AUTH)
+    assert error_of(client.get("/v1/nri/updates"))[:2] == (422, "unsupported")
+    nri = AppClient(create_app(service, token=TOKEN, nri=True), AUTH)
+    assert nri.get("/v1/nri/updates", params={"wait": 31}).status_code == 422
 
 
 def test_a_container_that_does_not_fit_is_refused_with_the_reason(client: AppClient) -> None:
@@ -232,6 +323,9 @@ def test_synchronize_keeps_releases_and_places(client: AppClient) -> None:
     body = response.json()
     assert body["released"] == [slot_name(gone)]
     assert sorted(u["container_id"] for u in body["updates"]) == [kept, new]
+    by_id = {u["container_id"]: u for u in body["updates"]}
+    # The best-effort container is told the shared pool as it is once the kept one holds its CPU.
+    assert not cpus_of(by_id[new]["cpuset_cpus"]) & cpus_of(by_id[kept]["cpuset_cpus"])
     assert list(body["refused"]) == [refused]
     after = {s["name"]: s["id"] for s in client.get("/v1/slots").json()["slots"]}
     # The kept container's slot is the same slot; the REST slot is not the shim's to release.

@@ -37,6 +37,7 @@ def test_document_describes_every_path_with_bearer_auth_except_health() -> None:
         "/v1/nri/containers",
         "/v1/nri/containers/{container_id}",
         "/v1/nri/synchronize",
+        "/v1/nri/updates",
         "/v1/pools",
         "/v1/pools/{name}",
     }

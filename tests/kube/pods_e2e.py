@@ -6,9 +6,12 @@ runtime's cgroups and the agent's REST API say.
 
 Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks, in order:
 
-1. a Guaranteed pod (1 CPU, 64Mi, requests == limits) runs on an exclusive CPU of a guaranteed
-   slot (``GET /v1/slots``): its container's cgroup cpuset is the slot's CPU, its memory limit
-   64Mi; a Burstable and a BestEffort pod run in slots of the burstable and best-effort class;
+1. a Burstable and a BestEffort pod run in slots of the burstable and best-effort class, their
+   containers' cgroup cpusets on the agent's shared pool; a REST guaranteed slot of one CPU moves
+   them off its CPU (the shim's long poll), its release moves them back; a Guaranteed pod (1 CPU,
+   64Mi, requests == limits) runs on an exclusive CPU of a guaranteed slot (``GET /v1/slots``):
+   its container's cgroup cpuset is the slot's CPU, its memory limit 64Mi, and the shared pods
+   are off that CPU by the time it runs (its CreateContainer answer moved them);
 2. one ledger: deleting the Burstable and BestEffort pods frees their slots; a REST guaranteed
    slot of every CPU the agent has left (on the 2-CPU host: the other one) never gets the pod's;
    a Guaranteed pod asking for a CPU then (the kubelet admits it: its own count says one CPU is
@@ -289,11 +292,35 @@ class Run:
         dirs = [self.daemon.config.parent / "cdi-specs", self.work / "cdi"]
         return {str(p) for d in dirs if d.is_dir() for p in d.iterdir()}
 
-    def rest_slot_beside(self, pod_cpus: list[int], name: str = "pods-e2e-rest") -> list[int]:
-        """A REST guaranteed slot of every CPU the agent has left (on the 2-CPU host: the one the
-        pod does not hold); its CPUs, checked disjoint from the pod's. The caller releases it."""
+    def shared_pool(self) -> list[int]:
+        """The agent's shared pool as it is now (the version GET /v1/nri/updates names)."""
+        answer = self.api.get("/v1/nri/updates", params={"wait": 0})
+        assert answer.status_code == 200, answer.text
+        return sorted(parse_cpulist(answer.json()["version"]))
+
+    def shared_cpus_follow(self, pods: dict[str, str], after: str, timeout: float = 10.0) -> list[int]:
+        """Each shared pod's container cgroup runs on the agent's shared pool (within ``timeout``)."""
+        pool = self.shared_pool()
+        assert pool, f"after {after}: the agent's shared pool is empty"
+
+        def on_pool() -> bool:
+            return all(sorted(parse_cpulist(self.cgroup_cpus(ctr))) == pool for ctr in pods.values())
+
+        try:
+            wait_for(f"the shared pods to run on the pool {pool} after {after}", on_pool, timeout, every=0.05)
+        except AssertionError:
+            say(f"cpusets: { {pod: self.cgroup_cpus(ctr) for pod, ctr in pods.items()} }, pool {pool}")
+            raise
+        say(f"after {after}: shared pods {sorted(pods)} run on the shared pool {pool}")
+        return pool
+
+    def rest_slot_beside(self, pod_cpus: list[int], name: str = "pods-e2e-rest", cpus: int = 0) -> list[int]:
+        """A REST guaranteed slot of ``cpus`` CPUs (0: every CPU the agent has left, on the 2-CPU
+        host the one the pod does not hold); its CPUs, checked disjoint from the pod's. The caller
+        releases it."""
         free = int(self.api.get("/v1/capacity").json()["resources"]["cpus"]["free"])
         assert free >= 1, f"the agent has no CPU left beside the Guaranteed pod's {pod_cpus} ({free})"
+        free = cpus or free
         body = {
             "name": name,
             "qos": "guaranteed",
@@ -334,15 +361,34 @@ class Run:
 
 
 def step1_classes(r: Run) -> dict[str, str]:
-    """Guaranteed, Burstable and BestEffort pods: slots of their class, the exclusive CPU in the cgroup."""
+    """Burstable and BestEffort pods on the shared pool, following it as a REST slot comes and goes;
+    then a Guaranteed pod: a slot of its class, the exclusive CPU in its cgroup, the shared pods
+    moved off it before it starts."""
     started = time.monotonic()
-    r.kube.create(
-        pod_spec("guaranteed", GUARANTEED),
-        pod_spec("burstable", BURSTABLE),
-        pod_spec("besteffort", BEST_EFFORT),
-    )
-    ids = r.running("guaranteed", "burstable", "besteffort")
-    say(f"3 pods running {time.monotonic() - started:.1f}s after kubectl create")
+    r.kube.create(pod_spec("burstable", BURSTABLE), pod_spec("besteffort", BEST_EFFORT))
+    ids = r.running("burstable", "besteffort")
+    say(f"2 shared pods running {time.monotonic() - started:.1f}s after kubectl create")
+    for pod, qos in (("burstable", "burstable"), ("besteffort", "best-effort")):
+        s = r.slot_of(ids[pod])
+        assert s["qos"] == qos, f"the {pod} pod's slot is of class {s['qos']}, not {qos}"
+        assert not (s["assignment"] or {}).get("exclusive"), f"the {pod} pod's slot is exclusive: {s}"
+        say(f"{pod}: slot {s['id']} class {s['qos']}, cpus {s['request']['resources'].get('cpus')}")
+    whole = r.shared_cpus_follow(ids, "placed")
+    # The shared pool shrinks under a guaranteed slot made through REST (the shim's long poll) and
+    # grows back when it is released.
+    theirs = r.rest_slot_beside([], "pods-e2e-pool", cpus=1)
+    took = time.monotonic()
+    pool = r.shared_cpus_follow(ids, f"a REST slot took CPU {theirs}")
+    say(f"shared pods moved to CPU(s) {pool} {time.monotonic() - took:.2f}s after the REST slot")
+    assert not set(pool) & set(theirs), f"the shared pool {pool} holds the REST slot's CPU(s) {theirs}"
+    answer = r.api.delete("/v1/slots/pods-e2e-pool")
+    assert answer.status_code == 204, answer.text
+    assert r.shared_cpus_follow(ids, "the REST slot was released") == whole
+
+    started = time.monotonic()
+    r.kube.create(pod_spec("guaranteed", GUARANTEED))
+    ids.update(r.running("guaranteed"))
+    say(f"guaranteed pod running {time.monotonic() - started:.1f}s after kubectl create")
     g = r.slot_of(ids["guaranteed"])
     a = g["assignment"]
     assert g["qos"] == "guaranteed", f"the Guaranteed pod's slot is {g['qos']}, not guaranteed: {g}"
@@ -358,11 +404,14 @@ def step1_classes(r: Run) -> dict[str, str]:
         f"the Guaranteed pod's container runs on CPUs {cpuset}, its slot holds {a['cpuset']}"
     )
     assert memory == str(64 << 20), f"the Guaranteed pod's memory limit is {memory}, not 64Mi"
-    for pod, qos in (("burstable", "burstable"), ("besteffort", "best-effort")):
-        s = r.slot_of(ids[pod])
-        assert s["qos"] == qos, f"the {pod} pod's slot is of class {s['qos']}, not {qos}"
-        assert not (s["assignment"] or {}).get("exclusive"), f"the {pod} pod's slot is exclusive: {s}"
-        say(f"{pod}: slot {s['id']} class {s['qos']}, cpus {s['request']['resources'].get('cpus')}")
+    # Moved by the Guaranteed container's own CreateContainer answer: already when it runs.
+    shared = {pod: ids[pod] for pod in ("burstable", "besteffort")}
+    for pod, ctr in shared.items():
+        now = sorted(parse_cpulist(r.cgroup_cpus(ctr)))
+        assert not set(now) & set(a["cpus"]), (
+            f"the {pod} pod still runs on the Guaranteed pod's CPU {a['cpuset']} (its cpuset: {now})"
+        )
+    r.shared_cpus_follow(shared, f"the Guaranteed pod took CPU {a['cpuset']}", timeout=1.0)
     r.exclusive_disjoint()
     return ids
 
