@@ -240,6 +240,14 @@ class KubernetesConfig:
     kubeconfig: str = ""
     #: the Node's name, which names the object; "" is the host name, lowercased as the kubelet does
     node_name: str = ""
+    #: with ``nri``: the kubelet's pod cgroups (relative to the cgroup root: its ``--cgroup-root``
+    #: then ``kubepods``, ``kubepods.slice`` with the systemd driver), whose containers get their
+    #: cpusets through NRI; host partitioning leaves these subtrees alone
+    pods_cgroups: tuple[str, ...] = ("kubepods", "kubepods.slice")
+
+    def partitioning_left_alone(self) -> tuple[str, ...]:
+        """The cgroup subtrees host partitioning must not confine: the pods' while NRI places them."""
+        return tuple(path.strip("/") for path in self.pods_cgroups) if self.nri else ()
 
     @property
     def resolved_node_name(self) -> str:
@@ -538,6 +546,12 @@ def _check_kubernetes(config: AgentConfig) -> None:
             "`kubectl get nodes` shows it (lowercase letters, digits, '-' and '.', at most 253), or \"\" "
             "for this host's name"
         )
+    for path in k.pods_cgroups:
+        if not path.strip("/") or ".." in path.split("/"):
+            raise ConfigError(
+                f"{_where(src, 'kubernetes.pods_cgroups')} has {path!r}; expected a cgroup path below the "
+                'root, such as "kubepods" (the kubelet\'s --cgroup-root, then kubepods)'
+            )
 
 
 def _check_qos(config: AgentConfig) -> None:

@@ -286,6 +286,7 @@ def build_host(
         enabled=iso.host_partitioning == "auto",
         state_dir=config.state_dir,
         cgroup_parent=iso.cgroup_parent,
+        left_alone=config.kubernetes.partitioning_left_alone(),
         parts=validate_parts(iso.host_partitioning_parts),
         sweep_seconds=iso.host_sweep_seconds,
     )
@@ -299,7 +300,10 @@ def restore_host(config: AgentConfig) -> HostReport:
     ensure_state_dir(config.state_dir)
     lock_state_dir(config.state_dir)
     partitioner = host_partitioner(
-        detect(), state_dir=config.state_dir, cgroup_parent=config.isolation.cgroup_parent
+        detect(),
+        state_dir=config.state_dir,
+        cgroup_parent=config.isolation.cgroup_parent,
+        left_alone=config.kubernetes.partitioning_left_alone(),
     )
     return partitioner.restore()
 

@@ -153,7 +153,12 @@ def uninstall(config: AgentConfig, *, release_slots: bool = False, purge: bool =
     if cdi is not None:
         report.cdi_specs = [f"slot {slot_id}" for slot_id in cdi.remove_stale(())]
         report.cdi_specs += [f"{key} devices" for key in DEVICE_KEYS if cdi.specs.remove(key)]
-    partitioner = host_partitioner(host, state_dir=state_dir, cgroup_parent=config.isolation.cgroup_parent)
+    partitioner = host_partitioner(
+        host,
+        state_dir=state_dir,
+        cgroup_parent=config.isolation.cgroup_parent,
+        left_alone=config.kubernetes.partitioning_left_alone(),
+    )
     report.host = describe(partitioner.restore()) if state_dir.exists() else "nothing recorded"
     if purge and state_dir.exists():
         shutil.rmtree(state_dir)

@@ -84,11 +84,12 @@ class ProcTasks:
     """Every thread the host runs, as :class:`~nodeagent.isolation.host.Task`, and its affinity.
 
     ``slot_parent``: the agent's cgroup parent (relative to the cgroup root); tasks in it are in
-    slots. ``covered``: whether a cgroup v2 path is one whose cpuset the partitioner sets (its
-    tasks keep their affinity). ``only``: limit the tasks to processes for which it is true (a
-    benchmark or a test confining only what it started). ``set_affinity`` and ``get_affinity``
-    default to the system calls when ``proc`` is the real /proc, else to the tree's
-    ``Cpus_allowed_list`` (a fake tree in a test).
+    slots. ``left_alone``: further subtrees whose tasks are treated as the slots' (the kubelet's
+    pods while NRI gives their containers cpusets). ``covered``: whether a cgroup v2 path is one
+    whose cpuset the partitioner sets (its tasks keep their affinity). ``only``: limit the tasks
+    to processes for which it is true (a benchmark or a test confining only what it started).
+    ``set_affinity`` and ``get_affinity`` default to the system calls when ``proc`` is the real
+    /proc, else to the tree's ``Cpus_allowed_list`` (a fake tree in a test).
     """
 
     def __init__(
@@ -96,13 +97,16 @@ class ProcTasks:
         proc: Path = Path("/proc"),
         *,
         slot_parent: str = "",
+        left_alone: Sequence[str] = (),
         covered: Callable[[str], bool] | None = None,
         only: Callable[[int], bool] | None = None,
         set_affinity: Callable[[int, frozenset[int]], None] | None = None,
     ) -> None:
         self.proc = proc
         self._procfs = Procfs(proc)
-        self._slot_prefix = "/" + slot_parent.strip("/") if slot_parent.strip("/") else None
+        self._slot_prefixes = tuple(
+            "/" + path.strip("/") for path in (slot_parent, *left_alone) if path.strip("/")
+        )
         self._covered = covered
         self._only = only
         real = proc == Path("/proc")
@@ -166,9 +170,8 @@ class ProcTasks:
         """(in one of the agent's slots, its cgroup v2 path) from /proc/PID/cgroup."""
         in_slot = False
         v2_path = None
-        prefix = self._slot_prefix
         for hierarchy, _controllers, path in parse_proc_cgroup(cgroups):
-            if prefix is not None and (path == prefix or path.startswith(prefix + "/")):
+            if any(path == prefix or path.startswith(prefix + "/") for prefix in self._slot_prefixes):
                 in_slot = True
             if hierarchy == "0":
                 v2_path = path
@@ -322,6 +325,10 @@ class CgroupSiblings:
 
     ``systemctl`` is used for the cgroups of units when ``systemd`` is true (systemd rewrites a unit's
     cpuset from its ``AllowedCPUs=`` on every reload); other cgroups are written directly.
+
+    ``left_alone``: further subtrees kept as they are, with the siblings along their routes confined
+    the same way (the kubelet's pods while NRI gives their containers cpusets: a confined ancestor
+    would bound an exclusive container's cpuset to the host's CPUs, and v2 would then move it there).
     """
 
     kinds = ("cgroup",)
@@ -331,45 +338,58 @@ class CgroupSiblings:
         mount: Path,
         parent: str,
         *,
+        left_alone: Sequence[str] = (),
         systemd: bool = False,
         systemctl: SystemctlRunner = systemctl_write,
     ) -> None:
         self.mount = mount
-        self._route = [part for part in parent.strip("/").split("/") if part]
-        if not self._route:
+        route = "/".join(part for part in parent.strip("/").split("/") if part)
+        if not route:
             raise InvalidRequest("the agent's cgroup parent must not be the root cgroup")
+        #: the subtrees kept whole (the agent's own first), and every cgroup on the way to one
+        self._kept = {route} | {
+            "/".join(p for p in path.strip("/").split("/") if p) for path in left_alone if path.strip("/")
+        }
+        self._on_route = {
+            "/".join(path.split("/")[:depth])
+            for path in self._kept
+            for depth in range(1, path.count("/") + 1)
+        }
         self._systemd = systemd
         self._systemctl = systemctl
 
     def siblings(self) -> list[str]:
-        """Relative paths of the cgroups beside the route, with a cpuset of their own."""
+        """Relative paths of the cgroups beside the routes, with a cpuset of their own."""
         found: list[str] = []
-        prefix = ""
-        for part in self._route:
-            level = self.mount / prefix if prefix else self.mount
+        levels = [""]  # the root, then each cgroup on a route (a kept subtree is not entered)
+        while levels:
+            prefix = levels.pop(0)
             try:
-                with os.scandir(level) as entries:
+                with os.scandir(self.mount / prefix if prefix else self.mount) as entries:
                     names = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
             except FileNotFoundError:
-                break
+                continue
             for name in names:
                 relpath = f"{prefix}/{name}" if prefix else name
-                if name != part and (self.mount / relpath / "cpuset.cpus").is_file():
+                if relpath in self._kept:
+                    continue
+                if relpath in self._on_route:
+                    levels.append(relpath)
+                elif (self.mount / relpath / "cpuset.cpus").is_file():
                     found.append(relpath)
-            prefix = f"{prefix}/{part}" if prefix else part
         return found
 
     def covers(self, v2_path: str) -> bool:
         """Whether a task in cgroup ``v2_path`` (as /proc/PID/cgroup shows it) is confined by one of
         the siblings' cpusets."""
         parts = [p for p in v2_path.strip("/").split("/") if p]
-        for depth, part in enumerate(self._route):
-            if depth >= len(parts):
-                return False  # in an ancestor of the parent (the root cgroup): only its affinity can move it
-            if parts[depth] != part:
-                sibling = "/".join(parts[: depth + 1])
-                return (self.mount / sibling / "cpuset.cpus").is_file()
-        return False  # in the agent's own subtree
+        for depth in range(1, len(parts) + 1):
+            above = "/".join(parts[:depth])
+            if above in self._kept:
+                return False  # in the agent's own subtree or one left alone
+            if above not in self._on_route:
+                return (self.mount / above / "cpuset.cpus").is_file()
+        return False  # in an ancestor of a route (the root cgroup): only its affinity can move it
 
     def read(self) -> list[Knob]:
         knobs = []

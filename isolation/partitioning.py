@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -209,6 +209,7 @@ def build_host_partitioning(
     enabled: bool,
     state_dir: Path,
     cgroup_parent: str,
+    left_alone: Sequence[str] = (),
     parts: Collection[Part] = PARTS,
     sweep_seconds: float = 10.0,
     proc: Path = Path("/proc"),
@@ -221,7 +222,13 @@ def build_host_partitioning(
         if (state_dir / RECORD_NAME).exists():
             # Turned off after it had confined the host: what the record names goes back now.
             leftover = host_partitioner(
-                host, state_dir=state_dir, cgroup_parent=cgroup_parent, proc=proc, sys=sys, run=run
+                host,
+                state_dir=state_dir,
+                cgroup_parent=cgroup_parent,
+                left_alone=left_alone,
+                proc=proc,
+                sys=sys,
+                run=run,
             )
             report = leftover.restore()
             log.info("host put back: host partitioning is off", extra={"host": report.to_dict()})
@@ -231,6 +238,7 @@ def build_host_partitioning(
             host,
             state_dir=state_dir,
             cgroup_parent=cgroup_parent,
+            left_alone=left_alone,
             parts=parts,
             proc=proc,
             sys=sys,
@@ -248,6 +256,7 @@ def host_partitioner(
     *,
     state_dir: Path,
     cgroup_parent: str,
+    left_alone: Sequence[str] = (),
     parts: Collection[Part] = PARTS,
     proc: Path = Path("/proc"),
     sys: Path = Path("/sys"),
@@ -257,14 +266,18 @@ def host_partitioner(
     """A :class:`HostPartitioner` for this host. On cgroup v2 with the cpuset controller, processes
     are confined through the cgroups beside the agent's (systemd's AllowedCPUs= where systemd owns
     them), and only tasks in the root cgroup through their affinity; elsewhere (v1, hybrid) every
-    task outside the slots through its affinity."""
+    task outside the slots through its affinity. ``left_alone``: cgroup subtrees kept as the slots
+    are (the kubelet's pods while NRI places their containers)."""
     siblings: CgroupSiblings | None = None
     # ``only`` (a benchmark or test confining what it started) never touches other cgroups.
     if only is None and host.mode == "v2" and host.v2_mount is not None and "cpuset" in host.controllers:
-        siblings = CgroupSiblings(host.v2_mount, cgroup_parent, systemd=systemd_owns_cgroups(proc, run))
+        siblings = CgroupSiblings(
+            host.v2_mount, cgroup_parent, left_alone=left_alone, systemd=systemd_owns_cgroups(proc, run)
+        )
     tasks = ProcTasks(
         proc,
         slot_parent=cgroup_parent,
+        left_alone=left_alone,
         covered=None if siblings is None else siblings.covers,
         only=only,
     )

@@ -321,3 +321,14 @@ def test_the_state_reserve_is_a_quantity_within_bounds() -> None:
     for bad, message in (("lots", "state.reserve"), ("1Mi", "expected from 16Mi"), ("2Ti", "to 1Ti")):
         with pytest.raises(ConfigError, match=message):
             parse_config({"state": {"reserve": bad}})
+
+
+def test_the_pods_cgroups_are_left_alone_only_while_nri_places_their_containers() -> None:
+    assert parse_config({}).kubernetes.partitioning_left_alone() == ()
+    on = parse_config({"kubernetes": {"nri": True, "pods_cgroups": ["/kube/kubepods/", "kubepods.slice"]}})
+    assert on.kubernetes.partitioning_left_alone() == ("kube/kubepods", "kubepods.slice")
+    for bad in ("/", "", "kube/../etc"):
+        with pytest.raises(
+            ConfigError, match=r"kubernetes.pods_cgroups has .*expected a cgroup path below the root"
+        ):
+            parse_config({"kubernetes": {"nri": True, "pods_cgroups": [bad]}})

@@ -95,6 +95,27 @@ def test_proc_tasks_reads_every_thread_and_marks_slot_members_and_covered_cgroup
     assert sorted(t.tid for t in only.read()) == [30, 31]
 
 
+def test_proc_tasks_treat_a_left_alone_subtree_as_the_slots(tmp_path: Path) -> None:
+    """The kubelet's pods while NRI places their containers: their tasks keep their cpusets (v1: a
+    container on an exclusive CPU would refuse the host's mask with EINVAL), not "kubepods-x"."""
+    proc = fake_proc(tmp_path)
+    extra = {
+        **proc_task(50, 50, "pod", "3"),
+        "50/cgroup": "3:cpuset:/kube/kubepods/pod1/c1\n0::/\n",
+        **proc_task(51, 51, "near", "0-3"),
+        "51/cgroup": "3:cpuset:/kube/kubepods-x\n0::/\n",
+    }
+    write_tree(proc, extra)
+    tasks = {
+        t.tid: t
+        for t in ProcTasks(proc, slot_parent="nodeagent.slice", left_alone=["/kube/kubepods/"]).read()
+    }
+    assert tasks[50].in_slot
+    assert tasks[40].in_slot
+    assert not tasks[51].in_slot
+    assert not {t.tid: t for t in ProcTasks(proc, slot_parent="nodeagent.slice").read()}[50].in_slot
+
+
 def test_proc_tasks_writes_by_tid_and_refuses_a_reused_tid(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path)
     backend = ProcTasks(proc)
@@ -190,6 +211,35 @@ def test_cgroup_siblings_along_a_delegated_path_and_what_they_cover(tmp_path: Pa
     assert top.siblings() == ["init.scope", "system.slice", "user.slice"]
     with pytest.raises(Exception, match="must not be the root"):
         CgroupSiblings(mount, "/")
+
+
+def test_cgroup_siblings_leave_a_kept_subtree_and_its_ancestors_whole(tmp_path: Path) -> None:
+    """The kubelet's pods (``--cgroup-root=kube``) while NRI places them: neither ``kube`` nor
+    ``kube/kubepods`` is confined (an ancestor's cpuset bounds every container below it), the
+    cgroups beside them are, and a task below them is not covered."""
+    mount = cgroup_tree(tmp_path)
+    write_tree(
+        mount,
+        {
+            "kube/cpuset.cpus": "",
+            "kube/kubelet.service/cpuset.cpus": "",
+            "kube/kubepods/cpuset.cpus": "",
+            "kube/kubepods/besteffort/cpuset.cpus": "",
+        },
+    )
+    kept = CgroupSiblings(mount, "nodeagent.slice", left_alone=["/kube/kubepods", ""])
+    assert kept.siblings() == ["init.scope", "system.slice", "user.slice", "kube/kubelet.service"]
+    assert kept.covers("/kube/kubelet.service")
+    assert not kept.covers("/kube/kubepods/besteffort/pod1/c1")
+    assert not kept.covers("/kube/kubepods")
+    assert not kept.covers("/kube")  # an ancestor of a kept subtree: only affinity moves its tasks
+    assert kept.covers("/system.slice/sshd.service")
+    assert "kube" in CgroupSiblings(mount, "nodeagent.slice").siblings()
+    # One inside the agent's own subtree changes nothing there: the agent's subtree stays whole.
+    inside = CgroupSiblings(
+        mount, "system.slice/nodeagent.service", left_alone=["system.slice/nodeagent.service/x"]
+    )
+    assert inside.siblings() == ["init.scope", "kube", "user.slice", "system.slice/sshd.service"]
 
 
 def test_cgroup_siblings_write_directly_or_through_systemd(tmp_path: Path) -> None:

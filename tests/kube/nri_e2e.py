@@ -40,9 +40,11 @@ from typing import Any
 from tests.daemon import DaemonProcess, nodeagent_argv, wait_until
 
 PARENT = f"natestnri{os.getpid()}.slice"
-#: NRI_E2E_HOST_PARTITIONING=auto: run the agent with host partitioning and report where the
-#: container ends up instead of asserting it (for a VM only: it confines every task of the host).
-OBSERVE_PARTITIONING = os.environ.get("NRI_E2E_HOST_PARTITIONING", "off") == "auto"
+#: NRI_E2E_HOST_PARTITIONING=auto: run the agent with host partitioning (the kubelet's pod cgroups
+#: left to NRI) and check that the host is kept off the container's exclusive CPU while the
+#: container stays on it (for a VM: it confines every task of the host).
+PARTITIONING = os.environ.get("NRI_E2E_HOST_PARTITIONING", "off") == "auto"
+KUBE_CGROUP_ROOT = os.environ.get("KUBE_CGROUP_ROOT", "nodeagent-kube")
 NRI_PREFIX = "nri-"
 #: What containerd logs once a plugin registered and its Synchronize is done.
 SYNCHRONIZED = 'plugin \\"10-nodeagent\\" connected and synchronized'
@@ -86,7 +88,7 @@ def pod_config(work: Path, uid: str) -> dict[str, Any]:
         # A Guaranteed pod's cgroup parent as the kubelet (cgroupfs driver) names it: directly under
         # kubepods, inside kube/cluster's own subtree (stop removes it).
         "linux": {
-            "cgroup_parent": f"/{os.environ.get('KUBE_CGROUP_ROOT', 'nodeagent-kube')}/kubepods/pod{uid}",
+            "cgroup_parent": f"/{KUBE_CGROUP_ROOT}/kubepods/pod{uid}",
             "security_context": {"namespace_options": {"network": 2}},  # the host's network: no CNI
         },
         "log_directory": str(logs),
@@ -222,9 +224,20 @@ def guaranteed(cri: Crictl, client: Any, pod: str, pod_json: str, name: str) -> 
         f"container cgroup cpuset.cpus={cpuset} memory limit={memory}; its task's Cpus_allowed_list={allowed}"
     )
     assert memory == str(64 << 20), memory
-    if OBSERVE_PARTITIONING:
-        say(f"host partitioning on: the container runs on {allowed}, its slot has {assignment['cpuset']}")
-        return ctr, slot
+    if PARTITIONING:
+        # This test is one of the host's tasks: once the partitioner's pass has run it is off the CPU.
+        exclusive = set(assignment["cpus"])
+        wait_until(
+            "the host to be kept off the slot's CPU", lambda: not os.sched_getaffinity(0) & exclusive, 15
+        )
+        cpuset = cgroup_file(pid, "cpuset", "cpuset.cpus")
+        allowed = next(
+            line.split(":", 1)[1].strip()
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("Cpus_allowed_list")
+        )
+        host = sorted(os.sched_getaffinity(0))
+        say(f"host partitioned: the test runs on {host}, the container on {allowed}")
     assert cpuset == assignment["cpuset"], (cpuset, assignment["cpuset"])
     assert allowed == assignment["cpuset"], (allowed, assignment["cpuset"])
     return ctr, slot
@@ -343,7 +356,7 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     say(f"too big: crictl create failed: {reason[-400:]}")
     assert "nodeagent refused (409 does_not_fit)" in reason, reason
     assert nri_slots(client) == []
-    say("PASS (host partitioning observed, not checked)" if OBSERVE_PARTITIONING else "PASS")
+    say("PASS (with host partitioning)" if PARTITIONING else "PASS")
 
 
 def clean_up(
@@ -412,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.procs, args.pods = [], []
     agent_dir = Path(tempfile.mkdtemp(prefix="nri-e2e-agent-"))
-    daemon = nri_agent(agent_dir, "nn", PARENT, partitioning="auto" if OBSERVE_PARTITIONING else "off")
+    daemon = nri_agent(
+        agent_dir,
+        "nn",
+        PARENT,
+        partitioning="auto" if PARTITIONING else "off",
+        kubernetes=f'pods_cgroups = ["{KUBE_CGROUP_ROOT}/kubepods"]\n',
+    )
     cri = Crictl(args.bin / "crictl", args.work)
     status = 1
     try:

@@ -1,8 +1,8 @@
 """Pods placed by the agent, driven by a real kubelet: ``kube/cluster start`` (kine, kube-apiserver,
 containerd with NRI, a kubelet; no scheduler: pods name their node), a test agent (``nodeagent serve``
 with ``[kubernetes] nri = true`` and ``device_plugin = true``, its own state dir and cgroup parent,
-host partitioning off), the NRI shim, kubectl. Proof from the outside: what the kubelet, the
-runtime's cgroups and the agent's REST API say.
+host partitioning on with the kubelet's pod cgroups left to NRI), the NRI shim, kubectl. Proof
+from the outside: what the kubelet, the runtime's cgroups and the agent's REST API say.
 
 Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks, in order:
 
@@ -10,8 +10,9 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    containers' cgroup cpusets on the agent's shared pool; a REST guaranteed slot of one CPU moves
    them off its CPU (the shim's long poll), its release moves them back; a Guaranteed pod (1 CPU,
    64Mi, requests == limits) runs on an exclusive CPU of a guaranteed slot (``GET /v1/slots``):
-   its container's cgroup cpuset is the slot's CPU, its memory limit 64Mi, and the shared pods
-   are off that CPU by the time it runs (its CreateContainer answer moved them);
+   its container's cgroup cpuset is the slot's CPU, its memory limit 64Mi, the shared pods are
+   off that CPU by the time it runs (its CreateContainer answer moved them), and so is every
+   thread of the cluster's own processes (host partitioning), the container still on its CPU;
 2. one ledger: deleting the Burstable and BestEffort pods frees their slots; a REST guaranteed
    slot of every CPU the agent has left (on the 2-CPU host: the other one) never gets the pod's;
    a Guaranteed pod asking for a CPU then (the kubelet admits it: its own count says one CPU is
@@ -256,6 +257,45 @@ class Run:
     def cgroup_cpus(self, ctr: str) -> str:
         return cgroup_file(self.pid(ctr), "cpuset", "cpuset.cpus")
 
+    def components_on(self) -> dict[str, set[int]]:
+        """The CPUs each thread of the cluster's own processes (kubelet, kube-apiserver, kine,
+        containerd and its shims: binaries of kube/build's bin directory) may run on, by name."""
+        bin_dir = self.args.bin.resolve()
+        found: dict[str, set[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                exe = (entry / "exe").resolve()
+                if exe.parent != bin_dir:
+                    continue
+                for task in (entry / "task").iterdir():
+                    status = (task / "status").read_text()
+                    allowed = next(
+                        line.split(":", 1)[1]
+                        for line in status.splitlines()
+                        if line.startswith("Cpus_allowed_list")
+                    )
+                    found.setdefault(f"{exe.name}[{entry.name}]", set()).update(parse_cpulist(allowed))
+        return found
+
+    def host_kept_off(self, cpus: list[int], timeout: float = 15.0) -> None:
+        """The host partitioning the pods' CPUs: every thread of the cluster's components is off
+        ``cpus`` (the agent's pass after the slot was placed)."""
+
+        def off() -> dict[str, set[int]] | None:
+            now = self.components_on()
+            return now if now and not any(set(cpus) & on for on in now.values()) else None
+
+        try:
+            seen = wait_for(f"the host's tasks to be kept off CPU(s) {cpus}", off, timeout)
+        except AssertionError:
+            say(f"the components' CPUs: {self.components_on()}")
+            raise
+        say(
+            f"host partitioned: {len(seen)} cluster processes on CPU(s) {sorted(set().union(*seen.values()))}"
+        )
+
     def exclusive_disjoint(self) -> dict[str, list[int]]:
         """Every slot's exclusive CPUs; fails when any CPU is held by two slots."""
         held: dict[int, str] = {}
@@ -413,6 +453,11 @@ def step1_classes(r: Run) -> dict[str, str]:
         )
     r.shared_cpus_follow(shared, f"the Guaranteed pod took CPU {a['cpuset']}", timeout=1.0)
     r.exclusive_disjoint()
+    # The rest of the host is kept off the exclusive CPU, the pods' containers left as NRI set them.
+    r.host_kept_off(a["cpus"])
+    assert sorted(parse_cpulist(r.cgroup_cpus(ids["guaranteed"]))) == sorted(a["cpus"]), (
+        "host partitioning moved the Guaranteed pod's container"
+    )
     return ids
 
 
@@ -686,8 +731,12 @@ def main(argv: list[str] | None = None) -> int:
         agent_dir,
         "np",
         PARENT,
+        partitioning="auto",
         placement=f'allowed_devices = ["{args.device}"]',
-        kubernetes=f'device_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n',
+        kubernetes=(
+            f'device_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n'
+            f'pods_cgroups = ["{KUBE_CGROUP_ROOT}/kubepods"]\n'
+        ),
     )
     r = Run(args, daemon)
     # A SIGTERM (a CI timeout) ends the run through ``finally``: the agent, its keeper and the shim
