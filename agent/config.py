@@ -245,6 +245,19 @@ class KubernetesConfig:
     #: cpusets through NRI; host partitioning leaves these subtrees alone
     pods_cgroups: tuple[str, ...] = ("kubepods", "kubepods.slice")
 
+    def best_effort_cgroups(self) -> tuple[str, ...]:
+        """The kubelet's best-effort QoS cgroups under ``pods_cgroups`` while NRI places the pods
+        (cgroupfs driver: ``<pods>/besteffort``; systemd: ``<pods>.slice/<pods>-besteffort.slice``):
+        the QoS loop counts and limits them with its best-effort class."""
+        found = []
+        for path in self.partitioning_left_alone():
+            name = path.rsplit("/", 1)[-1]
+            if name.endswith(".slice"):
+                found.append(f"{path}/{name.removesuffix('.slice')}-besteffort.slice")
+            else:
+                found.append(f"{path}/besteffort")
+        return tuple(found)
+
     def partitioning_left_alone(self) -> tuple[str, ...]:
         """The cgroup subtrees host partitioning must not confine: the pods' while NRI places them."""
         return tuple(path.strip("/") for path in self.pods_cgroups) if self.nri else ()

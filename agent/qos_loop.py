@@ -50,7 +50,7 @@ from nodeagent.isolation.colocation import (
     decide,
     needs_slot_detail,
 )
-from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo
+from nodeagent.isolation.colocation_kernel import Actuator, Sampler, SlotInfo, hold_cpu_quota
 from nodeagent.isolation.memory_traffic import LLC_MISSES, MemoryTraffic, probe
 from nodeagent.runtime.supervisor import ALIVE_PHASES
 from nodeagent.schema.request import MILLI, SlotRequest
@@ -535,9 +535,11 @@ def build_qos_loop(config: AgentConfig, manager: SlotManager) -> QosLoop | None:
     if not isinstance(backend, KernelIsolation):
         return None
     isolator = backend.isolator
+    pods = config.kubernetes.best_effort_cgroups()
     if not config.qos.enabled:
         try:
             isolator.limit_best_effort(None, None)
+            hold_cpu_quota(isolator.host, pods, None, isolator.config.qos.cfs_period_us)
         except NodeAgentError as err:
             log.warning("qos: could not lift an earlier best-effort limit: %s", err)
         return None
@@ -549,6 +551,7 @@ def build_qos_loop(config: AgentConfig, manager: SlotManager) -> QosLoop | None:
         allowed=isolator.pool.allowed,
         core_of=core_of,
         traffic=_memory_traffic(config, isolator.resctrl),
+        also_best_effort=pods,
     )
     actuator = Actuator(
         isolator,
@@ -556,6 +559,7 @@ def build_qos_loop(config: AgentConfig, manager: SlotManager) -> QosLoop | None:
         resctrl_group=isolator.config.resctrl_group("best-effort"),
         l3_share=config.qos.best_effort_l3_share,
         mb_percent=config.qos.best_effort_mb_percent,
+        also_best_effort=pods,
     )
     return QosLoop(
         manager,

@@ -30,6 +30,7 @@ from nodeagent.devices.discovery import discover
 from nodeagent.errors import Conflict
 from nodeagent.isolation.api_guard import ApiGuard, table_name
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.isolation.colocation_kernel import hold_cpu_quota
 from nodeagent.isolation.firewall import LibNftables, NftFirewall
 from nodeagent.isolation.partitioning import describe, host_partitioner
 from nodeagent.runtime.keeper_client import stop_keeper
@@ -135,6 +136,8 @@ def uninstall(config: AgentConfig, *, release_slots: bool = False, purge: bool =
         firewall = isolator.network.firewall
         had_table = isinstance(firewall, NftFirewall) and firewall.read_table().exists
         removed = isolator.remove_all()
+        # The QoS loop's quota on the kubelet's best-effort pods (NRI): theirs again, unlimited.
+        hold_cpu_quota(host, config.kubernetes.best_effort_cgroups(), None, isolator.config.qos.cfs_period_us)
         report.kernel_objects = (
             [f"cgroup {path}" for path in removed.cgroups.values()]
             + [f"netns {name}" for name in removed.network.netns]

@@ -10,14 +10,19 @@ per period and on cgroup v1 or v2:
 - the burstable class parent and each guaranteed slot (the online groups): CPU time, memory,
   and on v2 their ``*.pressure`` files;
 - the best-effort class parent's CPU time, and each best-effort slot's CPU time and memory;
+- best-effort cgroups outside the agent (``also_best_effort``: the kubelet's ``besteffort`` QoS
+  cgroup while NRI places pods' containers, whose work runs there and not in their empty slots),
+  counted with the class;
 - where the loop counts memory traffic (no MBA, cache-miss counters: the bandwidth proxy), each
   running best-effort slot's processes and their counters, in periods that read the slots.
 
 That is about two reads per slot and ten per host: tens of microseconds a period on a quiet host.
 
 The actuator writes best-effort's cpuset limit and class quota through the isolator (which keeps
-the limit across its own pool updates), each slot's quota and memory.high (the soft limit on v1),
-and tends best-effort processes each period: ``oom_score_adj`` 1000 (the kernel's OOM killer takes
+the limit across its own pool updates), the same quota on each ``also_best_effort`` cgroup (not
+the cpuset: NRI gave its containers theirs, and a v1 parent cannot narrow below its children's),
+each slot's quota and memory.high (the soft limit on v1), and tends best-effort processes each
+period: ``oom_score_adj`` 1000 (the kernel's OOM killer takes
 them before any online process), ``SCHED_IDLE`` for their threads where the kernel has no
 ``cpu.idle`` (before 5.15: the class parent then has only the least weight, which still takes its
 share when online work waits) and, where the host has resctrl, their small shared cache and
@@ -34,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nodeagent.cgroups import CgroupHost, Hierarchy, open_manager
+from nodeagent.cgroups import UNLIMITED, CgroupHost, CgroupLimits, Hierarchy, open_manager
 from nodeagent.cgroups import fs as cgroupfs
 from nodeagent.cgroups.pressure import Pressure, read_cgroup_pressure, read_node_pressure
 from nodeagent.cpulist import parse_cpulist
@@ -107,9 +112,11 @@ class Sampler:
         core_of: Mapping[int, int],
         proc_root: Path = Path("/proc"),
         traffic: MemoryTraffic | None = None,
+        also_best_effort: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.traffic = traffic
+        self.also_best_effort = tuple(also_best_effort)
         self.hierarchy = hierarchy
         self.allowed = allowed
         self.core_of = dict(core_of)
@@ -151,7 +158,7 @@ class Sampler:
         self._last_files, self._files = self._files, {}
         self._last_dirs, self._dirs = self._dirs, {}
         pool = self._pool()
-        best_effort_class = self.group(self.hierarchy.class_parent("best-effort"))
+        best_effort_class = self._best_effort_usage()
         base = Sample(
             time=now,
             pool=pool,
@@ -243,6 +250,19 @@ class Sampler:
             raise
         return GroupUsage(cpu_ns=cpu_ns, memory_bytes=memory_bytes, stall=stall)
 
+    def _best_effort_usage(self) -> GroupUsage:
+        """The class parent's usage plus that of every ``also_best_effort`` cgroup there is (one
+        that is absent adds nothing: the kubelet's appears when it starts)."""
+        usage = self.group(self.hierarchy.class_parent("best-effort"))
+        for relpath in self.also_best_effort:
+            more = self.group(relpath)
+            usage = GroupUsage(
+                cpu_ns=_plus(usage.cpu_ns, more.cpu_ns),
+                memory_bytes=_plus(usage.memory_bytes, more.memory_bytes),
+                stall=usage.stall,
+            )
+        return usage
+
     def _online(self, slots: Sequence[SlotInfo]) -> dict[str, GroupUsage]:
         online = {BURSTABLE_GROUP: self.group(self.hierarchy.class_parent("burstable"), pressure=self._v2)}
         for slot in slots:
@@ -311,11 +331,29 @@ class Sampler:
             return cgroupfs.parse_int(text, mount, cgroupfs.join(relpath, name))
 
 
+def _plus(total: int | None, more: int | None) -> int | None:
+    return total if more is None or total is None else total + more
+
+
 def _total(pressure: Pressure | None) -> int | None:
     return None if pressure is None else pressure.some.total_us
 
 
 # --------------------------------------------------------------------------- the actuator
+
+
+def hold_cpu_quota(host: CgroupHost, relpaths: Iterable[str], quota: int | None, period_us: int) -> None:
+    """CFS quota ``quota`` (None: none) on each of ``relpaths`` that exists; a failure is logged
+    (the loop tries again next change, the agent runs on)."""
+    for relpath in relpaths:
+        manager = open_manager(host, relpath)
+        try:
+            if manager.exists():
+                limit = UNLIMITED if quota is None else quota
+                manager.set(CgroupLimits(cpu_quota_us=limit, cpu_period_us=period_us))
+        except CgroupError as err:
+            log.warning("best-effort cgroup %s: CPU quota not set: %s", relpath, err)
+
 
 #: An L3 share in ways larger than any cache: the shared group then takes the default group's whole
 #: lowest run of ways (resctrl.low_ways), which is what best-effort gets while online work is idle.
@@ -327,7 +365,8 @@ class Actuator:
 
     ``resctrl_group``: the name of best-effort's shared resctrl group, or None to leave resctrl be.
     ``sched_idle``: put best-effort threads under SCHED_IDLE (None: where the best-effort class
-    parent has no ``cpu.idle``).
+    parent has no ``cpu.idle``). ``also_best_effort``: cgroups outside the agent held to the same
+    CFS quota as the class (the kubelet's ``besteffort`` pods while NRI places them).
     """
 
     def __init__(
@@ -340,8 +379,10 @@ class Actuator:
         mb_percent: int | None = None,
         proc_root: Path = Path("/proc"),
         sched_idle: bool | None = None,
+        also_best_effort: Sequence[str] = (),
     ) -> None:
         self.isolator = isolator
+        self.also_best_effort = tuple(also_best_effort)
         self.host = isolator.host
         self.hierarchy = isolator.hierarchy
         if sched_idle is None:
@@ -363,6 +404,7 @@ class Actuator:
         kind = action.kind
         if kind in ("cpu_suppress", "cpu_release"):
             self.isolator.limit_best_effort(action.cpus, action.quota_cpus)
+            self._limit_outside(action.quota_cpus)
         elif kind == "slot_cpu_quota":
             # The isolator owns the slot's cgroup: it writes the loop's limit and keeps it at resizes.
             assert action.slot_id is not None
@@ -390,6 +432,15 @@ class Actuator:
     def release(self) -> None:
         """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
         self.isolator.limit_best_effort(None, None)
+        self._limit_outside(None)
+
+    def _limit_outside(self, quota_cpus: float | None) -> None:
+        """The class's quota on each ``also_best_effort`` cgroup there is (None: lifted). Each gets
+        the whole allowance: a quota cannot span two cgroups, and while NRI places the pods the
+        class's own slots are empty."""
+        period = self.isolator.config.qos.cfs_period_us
+        quota = None if quota_cpus is None else quota_us(quota_cpus, period)
+        hold_cpu_quota(self.host, self.also_best_effort, quota, period)
 
     @property
     def resctrl_ready(self) -> bool:

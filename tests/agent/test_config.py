@@ -327,6 +327,12 @@ def test_the_pods_cgroups_are_left_alone_only_while_nri_places_their_containers(
     assert parse_config({}).kubernetes.partitioning_left_alone() == ()
     on = parse_config({"kubernetes": {"nri": True, "pods_cgroups": ["/kube/kubepods/", "kubepods.slice"]}})
     assert on.kubernetes.partitioning_left_alone() == ("kube/kubepods", "kubepods.slice")
+    # The kubelet's best-effort QoS cgroups there, as each cgroup driver names them.
+    assert on.kubernetes.best_effort_cgroups() == (
+        "kube/kubepods/besteffort",
+        "kubepods.slice/kubepods-besteffort.slice",
+    )
+    assert parse_config({}).kubernetes.best_effort_cgroups() == ()
     for bad in ("/", "", "kube/../etc"):
         with pytest.raises(
             ConfigError, match=r"kubernetes.pods_cgroups has .*expected a cgroup path below the root"

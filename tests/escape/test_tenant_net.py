@@ -183,6 +183,9 @@ while True:
 OWN = {"own": "connected", "own_ip6": "connected"}
 API_PARENT = f"natest{os.getpid()}a.slice"
 API_TABLE = f"natest{os.getpid()}a"
+#: The slots' uids here: none another agent's rules match (a table a killed test agent left in the
+#: kernel refuses its own range's connections, and would refuse these too with the default range).
+API_UIDS = "700000-700999"
 
 
 def api_tables() -> list[str]:
@@ -200,6 +203,7 @@ def api_daemon(tmp_path: Path) -> Iterator[Callable[[str], DaemonProcess]]:
         made.append(
             DaemonProcess(
                 tmp_path / str(len(made)),
+                f'[sandbox]\nuid_range = "{API_UIDS}"\n\n'
                 f'[isolation]\ncgroup_parent = "{API_PARENT}"\nfirewall_table = "{API_TABLE}"\n{extra}',
             )
         )

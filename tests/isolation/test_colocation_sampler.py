@@ -9,14 +9,14 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from nodeagent.cgroups import CgroupHost, Hierarchy
 from nodeagent.cgroups.pressure import parse_pressure, read_node_pressure
 from nodeagent.errors import CgroupError
-from nodeagent.isolation.colocation import GroupUsage, Stall
+from nodeagent.isolation.colocation import Action, GroupUsage, Stall
 from nodeagent.isolation.colocation_kernel import (
     Actuator,
     Sampler,
@@ -24,6 +24,7 @@ from nodeagent.isolation.colocation_kernel import (
     parse_meminfo,
     parse_proc_stat,
 )
+from nodeagent.isolation.qos import QosDefaults
 from tests.trees import write_tree
 
 F = frozenset
@@ -177,6 +178,66 @@ def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
     assert sample.best_effort_cpu_ns == 456
     (slot,) = sample.best_effort
     assert slot.usage == GroupUsage(None, None, None)  # e1 was released between listing and reading
+
+
+def test_sampler_counts_best_effort_cgroups_outside_the_agent_with_the_class(tmp_path: Path) -> None:
+    """The kubelet's ``besteffort`` pods while NRI places them: their CPU time and memory are the
+    class's too; one that does not exist (yet) adds nothing."""
+    pods = "kube/kubepods/besteffort"
+    write_tree(tmp_path / "cpuset", {f"{PARENT}/burstable/cpuset.cpus": "0-1\n"})
+    write_tree(
+        tmp_path / "cpuacct",
+        {f"{PARENT}/best-effort/cpuacct.usage": "456\n", f"{pods}/cpuacct.usage": "1000\n"},
+    )
+    write_tree(
+        tmp_path / "memory",
+        {
+            f"{PARENT}/best-effort/memory.usage_in_bytes": "10\n",
+            f"{pods}/memory.usage_in_bytes": "20\n",
+        },
+    )
+    host = CgroupHost(
+        mode="hybrid",
+        v1_mounts={name: tmp_path / name for name in ("cpuacct", "memory", "cpuset")},
+        can_write=True,
+    )
+    sampler = Sampler(
+        host,
+        Hierarchy(PARENT),
+        allowed=F({0, 1}),
+        core_of={},
+        proc_root=proc_tree(tmp_path),
+        also_best_effort=[pods, "kube/kubepods.slice/kubepods-besteffort.slice"],
+    )
+    sample = sampler.sample(SLOTS, now=1.0)
+    assert sample.best_effort_cpu_ns == 1456
+    assert sample.best_effort_memory_bytes == 30
+
+
+def test_the_class_quota_holds_best_effort_cgroups_outside_the_agent_too(tmp_path: Path) -> None:
+    pods = "kube/kubepods/besteffort"
+    quota = tmp_path / "cpu" / pods / "cpu.cfs_quota_us"
+    write_tree(
+        tmp_path / "cpu", {f"{pods}/cpu.cfs_quota_us": "-1\n", f"{pods}/cpu.cfs_period_us": "100000\n"}
+    )
+    host = CgroupHost(mode="v1", v1_mounts={"cpu": tmp_path / "cpu"}, can_write=True)
+    limited: list[tuple[frozenset[int] | None, float | None]] = []
+    isolator = SimpleNamespace(
+        host=host,
+        hierarchy=Hierarchy(PARENT),
+        config=SimpleNamespace(qos=QosDefaults()),
+        limit_best_effort=lambda cpus, quota_cpus: limited.append((cpus, quota_cpus)),
+    )
+    actuator = Actuator(cast(Any, isolator), sched_idle=False, also_best_effort=[pods, "kube/absent"])
+    actuator.apply(Action("cpu_suppress", None, "online load", cpus=F({1}), quota_cpus=0.5))
+    assert limited == [(F({1}), 0.5)]
+    assert quota.read_text().strip() == "50000"
+    actuator.apply(Action("cpu_release", None, "online idle", cpus=None, quota_cpus=None))
+    assert quota.read_text().strip() == "-1"
+    actuator.apply(Action("cpu_suppress", None, "online load", cpus=F({1}), quota_cpus=1.0))
+    actuator.release()  # the loop stops: best-effort is not held back by a loop that no longer runs
+    assert quota.read_text().strip() == "-1"
+    assert not (tmp_path / "cpu" / "kube" / "absent").exists()
 
 
 class _RecordedTraffic:

@@ -13,6 +13,8 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    its container's cgroup cpuset is the slot's CPU, its memory limit 64Mi, the shared pods are
    off that CPU by the time it runs (its CreateContainer answer moved them), and so is every
    thread of the cluster's own processes (host partitioning), the container still on its CPU;
+   then a spinning BestEffort pod is held to the QoS loop's allowance (the kubelet's ``besteffort``
+   cgroup's CFS quota) while a Burstable pod spins beside it, and gets CPU back when it goes;
 2. one ledger: deleting the Burstable and BestEffort pods frees their slots; a REST guaranteed
    slot of every CPU the agent has left (on the 2-CPU host: the other one) never gets the pod's;
    a Guaranteed pod asking for a CPU then (the kubelet admits it: its own count says one CPU is
@@ -186,6 +188,10 @@ GUARANTEED = {"requests": {"cpu": "1", "memory": "64Mi"}, "limits": {"cpu": "1",
 BURSTABLE = {"requests": {"cpu": "100m", "memory": "32Mi"}, "limits": {"cpu": "200m", "memory": "64Mi"}}
 SMALL_BURSTABLE = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "32Mi"}}
 BEST_EFFORT: dict[str, Any] = {}
+#: A Burstable pod without a CPU limit: online work that takes what it finds.
+ONLINE = {"requests": {"cpu": "100m", "memory": "16Mi"}}
+#: A container that spins on one CPU until it is told to stop.
+SPINNER = 'trap "exit 0" TERM; while :; do :; done'
 
 
 def container_id(pod: dict[str, Any]) -> str | None:
@@ -461,6 +467,69 @@ def step1_classes(r: Run) -> dict[str, str]:
     return ids
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of one process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_rate(pid: int, seconds: float = 3.0) -> float:
+    """CPUs the process used over the next ``seconds``."""
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - started)
+
+
+def best_effort_quota() -> float | None:
+    """The CFS quota on the kubelet's ``besteffort`` QoS cgroup, in CPUs (None: none)."""
+    v1 = Path("/sys/fs/cgroup/cpu") / KUBE_CGROUP_ROOT / "kubepods/besteffort"
+    if (v1 / "cpu.cfs_quota_us").exists():
+        quota, period = (v1 / "cpu.cfs_quota_us").read_text().strip(), (v1 / "cpu.cfs_period_us").read_text()
+    else:
+        quota, period = (
+            (Path("/sys/fs/cgroup") / KUBE_CGROUP_ROOT / "kubepods/besteffort/cpu.max").read_text().split()
+        )
+    return None if quota in ("-1", "max") else int(quota) / int(period)
+
+
+def step1b_best_effort_under_online_load(r: Run) -> None:
+    """A spinning BestEffort pod takes what online work leaves of the shared pool: the QoS loop
+    holds the kubelet's ``besteffort`` cgroup to its allowance while a Burstable pod spins there,
+    and gives the CPU back when it stops."""
+    r.kube.create(pod_spec("be-spin", BEST_EFFORT, script=SPINNER))
+    spinner = r.pid(r.running("be-spin")["be-spin"])
+    time.sleep(4)  # the loop's release periods
+    alone = cpu_rate(spinner)
+    quota_alone = best_effort_quota()
+    say(f"best-effort spinner alone: {alone:.2f} CPU (besteffort quota {quota_alone})")
+    r.kube.create(pod_spec("online-spin", ONLINE, script=SPINNER))
+    online = r.pid(r.running("online-spin")["online-spin"])
+
+    def held() -> float | None:
+        quota = best_effort_quota()
+        return quota if quota is not None and quota <= 0.1 else None
+
+    quota = wait_for("the QoS loop to hold the besteffort pods under online load", held, 30)
+    loaded, online_rate = cpu_rate(spinner), cpu_rate(online)
+    say(
+        f"under online load ({online_rate:.2f} CPU): best-effort spinner {loaded:.2f} CPU, "
+        f"besteffort quota {quota:.3f} CPU"
+    )
+    assert loaded <= 0.25, f"the best-effort pod took {loaded:.2f} CPU beside online work"
+    assert alone > loaded, f"the best-effort pod took {alone:.2f} CPU alone, {loaded:.2f} under load"
+    r.kube.delete("online-spin")
+    r.kube.gone("online-spin")
+
+    def given_back() -> float | bool | None:
+        quota = best_effort_quota()
+        return True if quota is None else (quota if quota > 0.1 else None)
+
+    back = wait_for("the best-effort allowance to grow back when online work stops", given_back, 30)
+    say(f"online pod gone: besteffort quota {back if back is not True else 'none'}")
+    r.kube.delete("be-spin")
+    r.kube.gone("be-spin")
+
+
 def step2_one_ledger(r: Run, ids: dict[str, str]) -> None:
     """Deleted pods free their slots; REST and pods share one ledger; a refusal in the pod's events."""
     gone = {slot_name(ids["burstable"]), slot_name(ids["besteffort"])}
@@ -680,6 +749,8 @@ def run(r: Run) -> None:
         say(f"agent up, shim registered; agent cgroups {sorted(baseline['cgroups'])}")
     with step("1. Guaranteed, Burstable, BestEffort pods"):
         ids = step1_classes(r)
+    with step("1b. best-effort under online load"):
+        step1b_best_effort_under_online_load(r)
     with step("2. one ledger: pod deletes, a REST slot, a refused pod"):
         step2_one_ledger(r, ids)
     with step("3. a device pod"):
