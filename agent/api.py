@@ -210,9 +210,11 @@ def _query_names(dependant: Dependant) -> frozenset[str]:
     return frozenset(names)
 
 
-def _refuse_unknown_query(request: Request) -> None:
+async def _refuse_unknown_query(request: Request) -> None:
     """A query parameter the operation does not take is refused (422), not ignored: a misspelt
-    ``?standy=true`` would otherwise answer as if it had not been asked."""
+    ``?standy=true`` would otherwise answer as if it had not been asked. ``async``: FastAPI runs a
+    plain function dependency in its thread pool, a hop (50-70 us) every request paid for a check
+    of a few attributes."""
     if not request.query_params:
         return
     route = request.scope.get("route")

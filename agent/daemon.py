@@ -640,6 +640,10 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
         log_config=None,
         access_log=False,
         lifespan="off",
+        # No X-Forwarded-* rewriting: the API is reached directly (a unix socket, or a listen
+        # address a proxy in front would have to be configured for), and that middleware is one
+        # more layer every request crosses.
+        proxy_headers=False,
         http=guarded_protocol(AutoHTTPProtocol, limits, counters),
         backlog=ACCEPT_BACKLOG,  # also the most connections asyncio accepts in one go
     )

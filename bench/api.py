@@ -36,6 +36,7 @@ import json
 import os
 import pstats
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,7 +58,9 @@ from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_
 from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
+from nodeagent.isolation.api_guard import ApiGuard, table_name
 from nodeagent.isolation.backend import KernelIsolation
+from nodeagent.isolation.firewall import LibNftables
 from nodeagent.runtime.keeper_client import keeper_identity, stop_keeper
 from nodeagent.schema.request import parse_slot_request
 from tests.daemon import DaemonProcess, nodeagent_argv
@@ -104,11 +107,13 @@ def agent_config(state_dir: Path) -> AgentConfig:
 
 def remove_bench_objects(state_dir: Path) -> None:
     """Everything under the bench's cgroup parent, netns and veth prefixes (kills what runs there),
-    and the keeper of ``state_dir``."""
+    the keeper of ``state_dir`` and the daemon's firewall rules for its slots (a daemon that did not
+    stop cleanly leaves them, and they would refuse other agents' slots of the same uids)."""
     stop_keeper(state_dir / "keeper")
     kernel = build_isolation(agent_config(state_dir), discover(gpus=False, fpgas=False), detect())
     if isinstance(kernel, KernelIsolation):
         kernel.isolator.remove_all()  # the uninstall path; no public wrapper yet
+    ApiGuard(LibNftables(), table_name(FIREWALL_TABLE)).remove()
 
 
 # =========================================================================== latency
@@ -497,6 +502,8 @@ def main() -> None:
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root: the bench creates cgroups")
+    # A SIGTERM (a timeout) ends the run through the workspace's clean-up, not around it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     with workspace() as work:
         rows: dict[str, PairTimes] = {}
