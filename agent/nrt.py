@@ -22,12 +22,16 @@ zone has room for each of its containers. This module is the agent's side of tha
   used, so no generated model parses the CRD's schema.
 
 The object is left in place when the agent stops: the scheduler keeps the last numbers through a
-restart (the next start rewrites them at once), as it keeps a kubelet's node status.
+restart (the next start rewrites them at once), as it keeps a kubelet's node status. It names the
+Node as its owner (``ownerReferences``, the Node's uid read on each timer pass), so deleting the
+Node deletes it too (the garbage collector's cascade); where the Node cannot be read (not yet
+registered, or no ``get`` on nodes) it is written without an owner and the owner added later.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import threading
 import time
@@ -87,12 +91,17 @@ class NodeResourceTopology:
     policy: str = TOPOLOGY_MANAGER_POLICY
     scope: str = TOPOLOGY_MANAGER_SCOPE
 
-    def to_json(self) -> dict[str, Any]:
-        """The object's body as the API server takes it (metadata without a resourceVersion)."""
+    def to_json(self, node_uid: str | None = None) -> dict[str, Any]:
+        """The object's body as the API server takes it (metadata without a resourceVersion);
+        ``node_uid``: the Node's, to name it as the owner."""
+        metadata: dict[str, Any] = {"name": self.node_name}
+        if node_uid:
+            owner = {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": node_uid}
+            metadata["ownerReferences"] = [owner]
         return {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": KIND,
-            "metadata": {"name": self.node_name},
+            "metadata": metadata,
             "topologyPolicies": [LEGACY_TOPOLOGY_POLICY],
             "attributes": [
                 {"name": "topologyManagerPolicy", "value": self.policy},
@@ -207,8 +216,11 @@ class StoredNrt:
     body: Mapping[str, Any]
 
     def says(self, body: Mapping[str, Any]) -> bool:
-        """Whether it already says what ``body`` says (then there is nothing to write)."""
-        return all(self.body.get(k) == body.get(k) for k in ("zones", "attributes", "topologyPolicies"))
+        """Whether it already says what ``body`` says (then there is nothing to write); an owner
+        ``body`` does not name is not taken away."""
+        same = all(self.body.get(k) == body.get(k) for k in ("zones", "attributes", "topologyPolicies"))
+        owners = body.get("metadata", {}).get("ownerReferences")
+        return same and (owners is None or self.body.get("metadata", {}).get("ownerReferences") == owners)
 
 
 class NrtApi(Protocol):
@@ -225,6 +237,10 @@ class NrtApi(Protocol):
     def create(self, body: Mapping[str, Any]) -> None: ...
 
     def replace(self, name: str, body: Mapping[str, Any]) -> None: ...
+
+    def node_uid(self, name: str) -> str | None:
+        """The Node's uid, or None when there is no such Node."""
+        ...
 
     def close(self) -> None:
         """Let go of its connections."""
@@ -275,6 +291,7 @@ class KubernetesNrtApi:
         self._api_exception: type[Exception] = ApiException
         self._client = client.ApiClient(configuration)
         self._objects = client.CustomObjectsApi(self._client)
+        self._core = client.CoreV1Api(self._client)
 
     def close(self) -> None:
         self._client.close()
@@ -320,6 +337,18 @@ class KubernetesNrtApi:
             f"replace {KIND} {name}",
         )
 
+    def node_uid(self, name: str) -> str | None:
+        try:
+            # The raw answer: no generated model is built for a whole Node (its status is large).
+            answer = self._call(
+                lambda: self._core.read_node(name, _preload_content=False, **self._bounded),
+                f"read Node {name}",
+            )
+        except NrtNotServed:
+            return None
+        uid = json.loads(answer.data).get("metadata", {}).get("uid")
+        return str(uid) if uid else None
+
     def _call(self, call: Callable[[], Any], what: str) -> Any:
         try:
             return call()
@@ -333,7 +362,7 @@ class KubernetesNrtApi:
             if status in (401, 403):
                 text += (
                     "; the agent's identity needs get, create and update on "
-                    f"{PLURAL}.{GROUP} and get on the CRD {CRD_NAME} (docs/kubernetes.md)"
+                    f"{PLURAL}.{GROUP}, get on the CRD {CRD_NAME} and get on nodes (docs/kubernetes.md)"
                 )
             raise NrtApiError(text) from err
         except Exception as err:  # urllib3's connection, TLS and timeout errors: all mean "retry later"
@@ -393,6 +422,10 @@ class NrtPublisher:
         self._note: str | None = None
         #: the body last found on the server as it should be (None: not yet, or the CRD went away)
         self._last_body: dict[str, Any] | None = None
+        #: the Node's uid as last read (None: not found): the object's owner; read yet or not
+        self._node_uid: str | None = None
+        self._node_read = False
+        self._owner_note: str | None = None  # what was last logged of the owner, said once
         self._failures = 0
         self._published = 0
         self._thread: threading.Thread | None = None
@@ -480,9 +513,12 @@ class NrtPublisher:
                         f"looking again every {t.crd_check_s:g} s",
                     )
                     return t.crd_check_s, True
+            if resync or not self._node_read:
+                self._node_uid = self._read_node_uid(self._api)
+                self._node_read = True
             body = node_resource_topology(
                 self._node, self._source.topology(), self._source.capacity_report(), devices=self._devices
-            ).to_json()
+            ).to_json(self._node_uid)
             if resync or body != self._last_body:
                 self._last_body = None
                 self._write(self._api, body)
@@ -504,6 +540,23 @@ class NrtPublisher:
         self._failures = 0
         self._settle(None)
         return t.resync_s, False
+
+    def _read_node_uid(self, api: NrtApi) -> str | None:
+        """The Node's uid, read again on each timer pass (a Node deleted and registered again has a
+        new one, and an owner of the old uid would have the object collected); the last one known
+        when the read fails, since the object is worth publishing without an owner."""
+        try:
+            uid = api.node_uid(self._node)
+        except NrtApiError as err:
+            uid, note = self._node_uid, f"the Node could not be read ({err})"
+        else:
+            note = None if uid is not None else "there is no such Node (yet)"
+        if note != self._owner_note and uid is None:
+            log.warning(
+                "NodeResourceTopology %s published without the Node as its owner: %s", self._node, note
+            )
+        self._owner_note = note
+        return uid
 
     def _backoff(self) -> float:
         t = self._timing

@@ -45,6 +45,7 @@ TOPOLOGY = synthetic_topology(
 NODE = "worker-1"
 NRT_PATH = f"/apis/topology.node.k8s.io/v1alpha2/noderesourcetopologies/{NODE}"
 CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}"
+NODE_PATH = f"/api/v1/nodes/{NODE}"
 FAST = PublisherTiming(
     resync_s=60.0, crd_check_s=0.1, min_interval_s=0.05, backoff_initial_s=0.05, backoff_max_s=0.2
 )
@@ -187,12 +188,15 @@ def test_config_errors_say_what_is_wrong(tmp_path: Path, line: str, words: list[
 class FakeApiServer:
     """The few paths the publisher uses, kept in memory; ``requests`` records (method, path, body,
     authorization). ``crd``: whether the CRD is installed; ``conflicts``: how many of the next
-    writes answer 409; ``fail``: an HTTP status every request answers with (0: none)."""
+    writes answer 409; ``fail``: an HTTP status every request answers with (0: none); ``nodes``:
+    the Nodes there are, name -> uid; ``node_status``: what reading a Node answers instead (0: none)."""
 
     def __init__(self, port: int = 0) -> None:
         self.crd = False
         self.conflicts = 0
         self.fail = 0
+        self.nodes: dict[str, str] = {}
+        self.node_status = 0
         self.objects: dict[str, dict[str, Any]] = {}
         self.version = 0
         self.requests: list[tuple[str, str, Any, str]] = []
@@ -234,6 +238,13 @@ class FakeApiServer:
 
         if self.fail:
             return status(self.fail, "InternalError")
+        if path.startswith("/api/v1/nodes/") and method == "GET":
+            name = path.rsplit("/", 1)[1]
+            if self.node_status:
+                return status(self.node_status, "Forbidden")
+            if name not in self.nodes:
+                return status(404, "NotFound")
+            return 200, {"kind": "Node", "metadata": {"name": name, "uid": self.nodes[name]}, "status": {}}
         if path == CRD_PATH and method == "GET":
             if not self.crd:
                 return status(404, "NotFound")
@@ -369,7 +380,12 @@ def test_with_the_crd_created_then_replaced_on_change(
     ledger = Ledger()
     publisher = publisher_for(api.port, ledger)
     assert publisher.publish_once() == (FAST.resync_s, False)
-    assert api.paths() == [("GET", CRD_PATH), ("GET", NRT_PATH), ("POST", NRT_PATH.rsplit("/", 1)[0])]
+    assert api.paths() == [
+        ("GET", CRD_PATH),
+        ("GET", NODE_PATH),
+        ("GET", NRT_PATH),
+        ("POST", NRT_PATH.rsplit("/", 1)[0]),
+    ]
     [(method, created)] = api.writes()
     assert method == "POST"
     assert created == node_resource_topology(NODE, TOPOLOGY, ledger.capacity_report(), devices=True).to_json()
@@ -403,9 +419,45 @@ def test_a_change_that_moves_no_number_sends_nothing(
     ledger.held = Allocated(cpus=frozenset({4, 12}))
     publisher.publish_once(resync=False)
     assert [m for m, _ in api.paths()[sent:]] == ["GET", "PUT"]
-    # The timer's pass reads the object even when nothing moved.
+    # The timer's pass reads the Node and the object even when nothing moved.
     publisher.publish_once()
-    assert [m for m, _ in api.paths()[sent + 2 :]] == ["GET"]
+    assert api.paths()[sent + 2 :] == [("GET", NODE_PATH), ("GET", NRT_PATH)]
+
+
+def test_the_node_owns_the_object_once_it_can_be_read(
+    api: FakeApiServer, publisher_for: Callable[[int, Ledger], NrtPublisher]
+) -> None:
+    """Deleting the Node deletes the object (the garbage collector follows ``ownerReferences``):
+    the owner is added when the Node appears, follows a Node registered again (a new uid), and a
+    Node the agent may not read leaves the object published, without an owner, and no problem."""
+
+    def owners() -> Any:
+        return api.objects[NODE]["metadata"].get("ownerReferences")
+
+    api.crd = True
+    api.node_status = 403
+    publisher = publisher_for(api.port, Ledger())
+    assert publisher.publish_once() == (FAST.resync_s, False)
+    assert owners() is None
+    assert publisher.problems() == ()
+    api.node_status = 0
+    publisher.publish_once()
+    assert owners() is None  # registered later
+    api.nodes[NODE] = "uid-1"
+    publisher.publish_once(resync=False)  # a change pass does not read the Node again
+    assert owners() is None
+    publisher.publish_once()
+    assert owners() == [{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "uid-1"}]
+    writes = len(api.writes())
+    publisher.publish_once()
+    assert len(api.writes()) == writes  # the owner already named: nothing to write
+    api.nodes[NODE] = "uid-2"  # deleted and registered again
+    publisher.publish_once()
+    assert owners()[0]["uid"] == "uid-2"
+    api.node_status = 403  # the right taken away: the last owner known stays
+    publisher.publish_once()
+    assert owners()[0]["uid"] == "uid-2"
+    assert publisher.problems() == ()
 
 
 def test_a_conflict_reads_again_and_retries(

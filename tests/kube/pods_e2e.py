@@ -6,13 +6,15 @@ from the outside: what the kubelet, the runtime's cgroups and the agent's REST A
 
 Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks, in order:
 
+0. the agent's NodeResourceTopology is on the API server, owned by the Node;
 1. a Burstable and a BestEffort pod run in slots of the burstable and best-effort class, their
    containers' cgroup cpusets on the agent's shared pool; a REST guaranteed slot of one CPU moves
    them off its CPU (the shim's long poll), its release moves them back; a Guaranteed pod (1 CPU,
    64Mi, requests == limits) runs on an exclusive CPU of a guaranteed slot (``GET /v1/slots``):
    its container's cgroup cpuset is the slot's CPU, its memory limit 64Mi, the shared pods are
    off that CPU by the time it runs (its CreateContainer answer moved them), and so is every
-   thread of the cluster's own processes (host partitioning), the container still on its CPU;
+   thread of the cluster's own processes (host partitioning), the container still on its CPU,
+   and the NodeResourceTopology shows the CPU taken;
    then a spinning BestEffort pod is held to the QoS loop's allowance (the kubelet's ``besteffort``
    cgroup's CFS quota) while a Burstable pod spins beside it, and gets CPU back when it goes;
 2. one ledger: deleting the Burstable and BestEffort pods frees their slots; a REST guaranteed
@@ -61,6 +63,7 @@ from tests.daemon import DaemonProcess, wait_until
 from tests.kube.nri_e2e import Crictl, cgroup_file, clean_up, nri_agent, registrations, start_shim
 
 PARENT = f"natestpods{os.getpid()}.slice"
+NRT_CRD = "noderesourcetopologies.topology.node.k8s.io"
 NODE = os.environ.get("KUBE_NODE_NAME", "nodeagent-kube")
 KUBE_CGROUP_ROOT = os.environ.get("KUBE_CGROUP_ROOT", "nodeagent-kube")
 IMAGE = "nodeagent.local/busybox:1"
@@ -133,6 +136,35 @@ class Kube:
     def pods(self, selector: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self.json("get", "pods", "-n", "default", "-l", selector)["items"]
         return items
+
+    def nrt(self) -> dict[str, Any] | None:
+        """This node's NodeResourceTopology object, None while there is none."""
+        done = self.run("get", "noderesourcetopology", NODE, "-o", "json", check=False)
+        if done.returncode != 0:
+            if "NotFound" in done.stderr:
+                return None
+            raise AssertionError(f"kubectl get noderesourcetopology {NODE} failed: {done.stderr.strip()}")
+        found: dict[str, Any] = json.loads(done.stdout)
+        return found
+
+    def nrt_cpus_available(self) -> int:
+        """Exclusive CPUs the NodeResourceTopology says are available, over its zones."""
+        nrt = self.nrt() or {}
+        return sum(
+            int(r["available"]) for z in nrt.get("zones", []) for r in z["resources"] if r["name"] == "cpu"
+        )
+
+    def nrt_cpus_settled(self, timeout: float = 20.0) -> int:
+        """:meth:`nrt_cpus_available` once two reads 1.5 s apart agree (the publisher writes at most
+        once a second, so a change still on its way shows in the second)."""
+        deadline = time.monotonic() + timeout
+        last = self.nrt_cpus_available()
+        while True:
+            time.sleep(1.5)
+            now = self.nrt_cpus_available()
+            if now == last or time.monotonic() > deadline:
+                return now
+            last = now
 
     def allocatable(self, resource: str) -> str:
         node = self.json("get", "node", NODE)
@@ -406,6 +438,22 @@ class Run:
         return self.kube.allocatable(self.resource) == "1"
 
 
+def nrt_owned_by_the_node(r: Run) -> None:
+    """The agent's NodeResourceTopology is on the API server, owned by this Node (deleting the Node
+    deletes it)."""
+    uid = r.kube.json("get", "node", NODE)["metadata"]["uid"]
+
+    def owned() -> dict[str, Any] | None:
+        nrt = r.kube.nrt()
+        return nrt if nrt and nrt["metadata"].get("ownerReferences") else None
+
+    nrt = wait_for("the NodeResourceTopology with the Node as its owner", owned, 30)
+    owners = nrt["metadata"]["ownerReferences"]
+    assert owners == [{"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": uid}], owners
+    available = r.kube.nrt_cpus_available()
+    say(f"NodeResourceTopology {NODE}: owned by the Node (uid {uid[:8]}...), cpu available {available}")
+
+
 def step1_classes(r: Run) -> dict[str, str]:
     """Burstable and BestEffort pods on the shared pool, following it as a REST slot comes and goes;
     then a Guaranteed pod: a slot of its class, the exclusive CPU in its cgroup, the shared pods
@@ -432,9 +480,20 @@ def step1_classes(r: Run) -> dict[str, str]:
     assert r.shared_cpus_follow(ids, "the REST slot was released") == whole
 
     started = time.monotonic()
+    nrt_before = r.kube.nrt_cpus_settled()  # after the REST slot's release is published
     r.kube.create(pod_spec("guaranteed", GUARANTEED))
     ids.update(r.running("guaranteed"))
-    say(f"guaranteed pod running {time.monotonic() - started:.1f}s after kubectl create")
+    running = time.monotonic()
+    say(f"guaranteed pod running {running - started:.1f}s after kubectl create")
+    wait_for(
+        "the NodeResourceTopology to show the Guaranteed pod's CPU taken",
+        lambda: r.kube.nrt_cpus_available() == nrt_before - 1,
+        10,
+    )
+    say(
+        f"NodeResourceTopology cpu available {nrt_before} -> {nrt_before - 1}, seen "
+        f"{time.monotonic() - running:.2f}s after the pod was seen running (kubectl polls included)"
+    )
     g = r.slot_of(ids["guaranteed"])
     a = g["assignment"]
     assert g["qos"] == "guaranteed", f"the Guaranteed pod's slot is {g['qos']}, not guaranteed: {g}"
@@ -743,10 +802,16 @@ def run(r: Run) -> None:
             lambda: r.kube.allocatable("cpu") != "0",
             timeout=60,
         )
+        # The NodeResourceTopology CRD first: the agent looks for it at start (then once a minute).
+        r.kube.run(
+            "apply", "-f", str(Path(__file__).resolve().parents[2] / "kube/noderesourcetopology-crd.yaml")
+        )
+        r.kube.run("wait", "--for", "condition=established", "--timeout=60s", f"crd/{NRT_CRD}")
         r.client = r.daemon.start(timeout=180)
         start_shim(r.args, r.daemon, r.shim_log)
         baseline = {"cgroups": r.agent_cgroups(), "cdi": r.cdi_specs()}
         say(f"agent up, shim registered; agent cgroups {sorted(baseline['cgroups'])}")
+        nrt_owned_by_the_node(r)
     with step("1. Guaranteed, Burstable, BestEffort pods"):
         ids = step1_classes(r)
     with step("1b. best-effort under online load"):
@@ -807,6 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         kubernetes=(
             f'device_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n'
             f'pods_cgroups = ["{KUBE_CGROUP_ROOT}/kubepods"]\n'
+            f'node_resource_topology = true\nkubeconfig = "{args.work / "admin.kubeconfig"}"\n'
+            f'node_name = "{NODE}"\n'
         ),
     )
     r = Run(args, daemon)
