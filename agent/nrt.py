@@ -545,6 +545,8 @@ class NrtPublisher:
         """The Node's uid, read again on each timer pass (a Node deleted and registered again has a
         new one, and an owner of the old uid would have the object collected); the last one known
         when the read fails, since the object is worth publishing without an owner."""
+        uid: str | None
+        note: str | None
         try:
             uid = api.node_uid(self._node)
         except NrtApiError as err:
