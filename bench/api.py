@@ -8,6 +8,8 @@ Latency and throughput, side by side in one run:
                  and cgroups): the floor the API adds to
   rest           POST /v1/slots + DELETE /v1/slots/{id} to ``nodeagent serve`` over loopback with a
                  keep-alive httpx client
+  rest-agentclient  the same calls through the CLI's own client (cli/client.py: one keep-alive
+                 socket, no HTTP library): the server's share of ``rest`` without httpx's
   cli            ``nodeagent slots allocate`` + ``release`` as processes (what an operator pays)
 Each allocates a burstable slot (0.1 CPU, 32Mi, no worker) and releases it; the table gives median
 and p99 per call and allocate+release pairs per second.
@@ -57,6 +59,7 @@ from nodeagent.agent.config import AgentConfig, apply_overrides, parse_config
 from nodeagent.agent.daemon import build_isolation, build_manager, ensure_state_dir
 from nodeagent.agent.manager import SlotManager
 from nodeagent.cgroups import detect
+from nodeagent.cli.client import AgentClient
 from nodeagent.devices.discovery import discover
 from nodeagent.isolation.api_guard import ApiGuard, table_name
 from nodeagent.isolation.backend import KernelIsolation
@@ -167,6 +170,16 @@ def rest_pairs(client: httpx.Client, runs: int) -> PairTimes:
         client.delete(f"/v1/slots/{slot_id}").raise_for_status()
 
     return time_pairs(runs, allocate, release)
+
+
+def agentclient_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
+    with AgentClient(daemon.url, daemon.token_file.read_text().strip()) as client:
+
+        def allocate(name: str) -> str:
+            slot, _created = client.allocate({"name": f"ac-{name}", **PAIR_REQUEST})
+            return str(slot["id"])
+
+        return time_pairs(runs, allocate, client.release)
 
 
 def cli_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
@@ -524,6 +537,8 @@ def main() -> None:
             prints.append(footprint("fresh, 0 slots", daemon.pid, daemon.state, 0, []))
             rest_pairs(client, min(20, args.runs))  # warm-up
             rows["rest"] = rest_pairs(client, args.runs)
+            agentclient_pairs(daemon, min(20, args.runs))  # warm-up
+            rows["rest-agentclient"] = agentclient_pairs(daemon, args.runs)
             if args.cli_runs:
                 rows["cli"] = cli_pairs(daemon, args.cli_runs)
             print(latency_table(rows), flush=True)
