@@ -122,8 +122,8 @@ func (p *plugin) call(ctx context.Context, method, path string, body, out any) e
 	return p.callWithin(ctx, p.timeout, method, path, body, out)
 }
 
-func (p *plugin) callWithin(ctx context.Context, timeout time.Duration, method, path string, body, out any) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
+func (p *plugin) callWithin(parent context.Context, timeout time.Duration, method, path string, body, out any) error {
+	ctx, cancel := context.WithTimeout(parent, timeout)
 	defer cancel()
 	var reader io.Reader
 	if body != nil {
@@ -143,7 +143,11 @@ func (p *plugin) callWithin(ctx context.Context, timeout time.Duration, method, 
 	}
 	resp, err := p.client.Do(req)
 	if err != nil {
-		p.lost.Store(true)
+		// A call its caller gave up on (a registration ending cancels its long poll) says nothing
+		// of the agent: marking it lost would make the next registration end itself, every second.
+		if parent.Err() == nil {
+			p.lost.Store(true)
+		}
 		return unreachable{fmt.Errorf("nodeagent did not answer %s %s: %w", method, path, err)}
 	}
 	defer resp.Body.Close()

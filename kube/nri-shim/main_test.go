@@ -214,3 +214,31 @@ func TestThePollAppliesPoolChangesAndRemembersTheVersion(t *testing.T) {
 		t.Fatalf("a failed update was remembered as applied: %q", p.knownVersion())
 	}
 }
+
+func TestAPollItsRegistrationCancelsDoesNotMarkTheAgentLost(t *testing.T) {
+	asked := make(chan struct{}, 1)
+	p := fakeAgent(t, func(w http.ResponseWriter, r *http.Request) {
+		asked <- struct{}{}
+		<-r.Context().Done() // a long poll that has nothing to say yet
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan bool)
+	go func() { done <- p.pollOnce(ctx, &fakeRuntime{}) }()
+	<-asked
+	cancel() // the registration ends (watch found the agent back, or the shim stops)
+	if <-done {
+		t.Fatal("a cancelled poll reported success")
+	}
+	if p.lost.Load() {
+		t.Fatal("a poll its own registration cancelled marked the agent lost: the next registration would end at once")
+	}
+	// An agent that does not answer in time is lost.
+	p.timeout = 10 * time.Millisecond
+	go func() { <-asked }()
+	if err := p.callWithin(context.Background(), 50*time.Millisecond, http.MethodGet, "/v1/nri/updates", nil, nil); err == nil {
+		t.Fatal("no error from an agent that did not answer")
+	}
+	if !p.lost.Load() {
+		t.Fatal("an agent that did not answer is not marked lost")
+	}
+}

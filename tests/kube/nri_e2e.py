@@ -137,6 +137,15 @@ def nri_slots(client: Any) -> list[dict[str, Any]]:
     return [s for s in slots if s["name"].startswith(NRI_PREFIX)]
 
 
+def released(client: Any, what: str) -> None:
+    """Wait until no container's slot is left: a release that puts the host back (partitioning
+    on) finishes after the answer, the slot ``releasing`` meanwhile."""
+    try:
+        wait_until(what, lambda: nri_slots(client) == [], 30)
+    except AssertionError:
+        raise AssertionError(f"{what}: {nri_slots(client)}") from None
+
+
 def start_shim(
     args: argparse.Namespace, daemon: DaemonProcess, shim_log: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
@@ -320,7 +329,7 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     say(f"-fail-open: created with the agent down (CPUs {before}), put on its slot's {wanted} by Synchronize")
     cri.run("stop", late_id)
     cri.run("rm", late_id)
-    assert nri_slots(client) == []
+    released(client, "the late container's slot to be released")
 
     # 4. Stop and remove: the slot is released (StopContainer releases it; RemoveContainer again).
     third, held = guaranteed(cri, client, pod, pod_json, "third")
@@ -337,7 +346,7 @@ def run(args: argparse.Namespace, daemon: DaemonProcess, cri: Crictl, shim_log: 
     else:
         say(f"a REST guaranteed slot does not fit beside the container: {rest.json()['error']['message']}")
     cri.run("stop", third)
-    assert nri_slots(client) == [], nri_slots(client)
+    released(client, "the stopped container's slot to be released")
     cri.run("rm", third)
     assert nri_slots(client) == []
     say("container stopped and removed: slot released")
