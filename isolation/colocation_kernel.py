@@ -430,7 +430,8 @@ class Actuator:
         open_manager(self.host, cgroup).kill(timeout=5.0)
 
     def release(self) -> None:
-        """Lift the CPU limit (the loop stops): best-effort gets the whole pool again."""
+        """Lift the CPU limit: best-effort gets the whole pool again (the loop itself leaves the
+        limit in place when it stops; the next start takes over)."""
         self.isolator.limit_best_effort(None, None)
         self._limit_outside(None)
 

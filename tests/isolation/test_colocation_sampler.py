@@ -235,7 +235,7 @@ def test_the_class_quota_holds_best_effort_cgroups_outside_the_agent_too(tmp_pat
     actuator.apply(Action("cpu_release", None, "online idle", cpus=None, quota_cpus=None))
     assert quota.read_text().strip() == "-1"
     actuator.apply(Action("cpu_suppress", None, "online load", cpus=F({1}), quota_cpus=1.0))
-    actuator.release()  # the loop stops: best-effort is not held back by a loop that no longer runs
+    actuator.release()  # lifted: the class and the cgroups outside it alike
     assert quota.read_text().strip() == "-1"
     assert not (tmp_path / "cpu" / "kube" / "absent").exists()
 

@@ -30,7 +30,9 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    held twice (nor given to a REST slot), the device is allocatable again;
 5. deleting the pods frees their slots; 20 pods (Burstable and BestEffort) created and deleted
    leave nothing: no slot (also after an agent restart), no cgroup under the agent's parent or
-   the kubelet's pod cgroups, no CDI spec beyond those before the first pod.
+   the kubelet's pod cgroups, no CDI spec beyond those before the first pod;
+6. the agent stopped (SIGTERM): the host's tasks have their CPUs back; ``nodeagent uninstall``
+   lifts the QoS loop's quota from the kubelet's ``besteffort`` cgroup.
 
 Each step prints its time. On failure it prints the pods, their events and the tails of the
 kubelet's, containerd's, the agent's and the shim's logs. Everything it starts is ended in
@@ -59,7 +61,7 @@ import httpx
 
 from nodeagent.agent.nri import slot_name
 from nodeagent.cpulist import parse_cpulist
-from tests.daemon import DaemonProcess, wait_until
+from tests.daemon import DaemonProcess, nodeagent_argv, wait_until
 from tests.kube.nri_e2e import Crictl, cgroup_file, clean_up, nri_agent, registrations, start_shim
 
 PARENT = f"natestpods{os.getpid()}.slice"
@@ -825,6 +827,32 @@ def run(r: Run) -> None:
         step4_restarts(r, pods)
     with step(f"5. deletes free slots; {CHURN} pods created and deleted leave nothing"):
         step5_leave_nothing(r, pods, baseline)
+    with step("6. the agent stopped and uninstalled: the host and the kubelet's cgroups are theirs again"):
+        assert r.daemon.stop() == 0, "the agent did not stop cleanly"
+        r.client = None
+        affinity = sorted(os.sched_getaffinity(1))
+        assert affinity == sorted(os.sched_getaffinity(0)) == list(range(os.cpu_count() or 1)), affinity
+        # While the agent is away best-effort keeps the loop's last allowance (its own class too);
+        # uninstalling lifts it.
+        kept = best_effort_quota()
+        done = subprocess.run(
+            [
+                *nodeagent_argv(),
+                "uninstall",
+                "--config",
+                str(r.daemon.config),
+                "--state-dir",
+                str(r.daemon.state),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        quota = best_effort_quota()
+        assert quota is None, f"the kubelet's besteffort cgroup keeps a quota of {quota} CPU after uninstall"
+        say(f"agent stopped: init and this test on CPUs {affinity}; besteffort quota {kept} -> none")
     say("PASS")
 
 
