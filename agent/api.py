@@ -238,9 +238,12 @@ def create_app(
     metrics_auth: bool = True,
     max_body_bytes: int = MAX_BODY_BYTES,
     nri: bool = False,
+    nri_devices: Sequence[str] = (),
     pools: Pools | None = None,
 ) -> FastAPI:
-    """The agent's ASGI app over ``service``; every /v1 path and (by default) /metrics need ``token``."""
+    """The agent's ASGI app over ``service``; every /v1 path and (by default) /metrics need ``token``.
+    ``nri_devices``: the allowed devices a container placed through NRI holds in its slot when the
+    runtime gives them to it."""
     if not token.strip():
         raise ConfigError("the API needs a non-empty token; the agent keeps it in <state dir>/token")
     if metrics is None:
@@ -254,7 +257,7 @@ def create_app(
         dependencies=[Depends(_refuse_unknown_query)],
     )
     _add_routes(app, service, metrics, nri, pools)
-    _add_nri_routes(app, service, nri)
+    _add_nri_routes(app, service, nri, nri_devices)
     _add_pool_routes(app, pools)
     _add_error_handlers(app)
     public = PUBLIC_PATHS if metrics_auth else PUBLIC_PATHS | {"/metrics"}
@@ -473,9 +476,9 @@ def _add_pool_routes(app: FastAPI, pools: Pools | None) -> None:
         return Response(status_code=204)
 
 
-def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool) -> None:
+def _add_nri_routes(app: FastAPI, service: SlotService, enabled: bool, devices: Sequence[str]) -> None:
     """The NRI shim's calls (kube/nri-shim); every decision is agent.nri's."""
-    containers = NriContainers(service) if enabled else None
+    containers = NriContainers(service, devices) if enabled else None
 
     def require_nri() -> NriContainers:
         if containers is None:

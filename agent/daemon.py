@@ -798,7 +798,14 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
             reporter.start()
         if pools is not None:
             pools.start()
-        app = create_app(manager, token=token, metrics=metrics, nri=config.kubernetes.nri, pools=pools)
+        app = create_app(
+            manager,
+            token=token,
+            metrics=metrics,
+            nri=config.kubernetes.nri,
+            nri_devices=config.placement.allowed_devices,
+            pools=pools,
+        )
         server = _server_class(uvicorn)(_uvicorn_config(config, app, metrics))
 
         async def run() -> None:

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import stat
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from nodeagent.agent.service import SlotService
@@ -123,8 +126,37 @@ def _cpu_millis(quota: int, period: int) -> int:
     return -(-quota * MILLI // period)
 
 
-def slot_request(container: NriContainer) -> SlotRequest:
-    """The slot request for ``container``; InvalidRequest naming what cannot be expressed."""
+#: A device node by what the kernel knows it as: type ("c" or "b"), major, minor.
+DeviceNumber = tuple[str, int, int]
+
+
+def managed_devices(paths: Iterable[str]) -> dict[DeviceNumber, str]:
+    """The agent's allowed devices (``[placement] allowed_devices``) by device number, as they are
+    on the host now (one that is missing or not a device node is left out)."""
+    found: dict[DeviceNumber, str] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
+            found[(kind, os.major(st.st_rdev), os.minor(st.st_rdev))] = path
+    return found
+
+
+def container_devices(container: NriContainer, managed: Mapping[DeviceNumber, str]) -> tuple[str, ...]:
+    """The agent's devices among those the runtime gives the container (the kubelet's device
+    plugin answered them, or CDI injected them), as the allow-list names them: the slot holds them,
+    so the ledger, its NUMA placement and NodeResourceTopology count them. Matched by number, since
+    the path inside the container may differ from the host's."""
+    held = [managed.get((d.type, d.major, d.minor)) for d in container.devices]
+    return tuple(dict.fromkeys(path for path in held if path is not None))
+
+
+def slot_request(container: NriContainer, managed: Mapping[DeviceNumber, str] | None = None) -> SlotRequest:
+    """The slot request for ``container`` (``managed``: the agent's devices by number, see
+    :func:`container_devices`); InvalidRequest naming what cannot be expressed."""
     res = container.resources
     qos = pod_class(container)
     quota = res.cpu_quota if res.cpu_quota > 0 else 0
@@ -148,6 +180,9 @@ def slot_request(container: NriContainer) -> SlotRequest:
             resources["cpus"] = f"{_cpu_millis(quota, period)}m"
         if memory:
             resources["memory"] = memory
+    devices = container_devices(container, managed or {})
+    if devices:
+        resources["devices"] = list(devices)
     body: dict[str, Any] = {"name": slot_name(container.id), "qos": qos, "resources": resources}
     for annotation, value in _annotations(container).items():
         key = annotation.removeprefix(ANNOTATION_PREFIX)
@@ -228,8 +263,10 @@ class NriContainers:
     registration of the shim and so every agent restart, fills them again.
     """
 
-    def __init__(self, service: SlotService) -> None:
+    def __init__(self, service: SlotService, devices: Sequence[str] = ()) -> None:
         self._service = service
+        #: ``[placement] allowed_devices``: a container given one of them holds it in its slot
+        self._devices = tuple(devices)
         #: slot name -> the runtime's whole container id, for the containers the agent places
         self._ids: dict[str, str] = {}
         self._changed = threading.Condition()
@@ -244,7 +281,7 @@ class NriContainers:
     def create(self, container: NriContainer) -> NriAdjustment:
         """Allocate the container's slot (the same slot again for the same id); the errors of
         translation (InvalidRequest) and placement (PlacementError) propagate with their reason."""
-        request = slot_request(container)
+        request = slot_request(container, managed_devices(self._devices) if container.devices else None)
         with self._changed:
             self._ids[request.name] = container.id
         before = self._service.shared_pool()

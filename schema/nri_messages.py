@@ -4,7 +4,8 @@ The shim forwards containerd's NRI events as these shapes, holding no state and 
 decisions; the agent (``nodeagent.agent.nri``) turns a container into a slot request and the slot
 into the adjustment the runtime applies. Only the fields the agent needs travel: the pod's
 identity, its QoS class or cgroup parent (the kubelet's class is in the path), the container's
-Linux resources as the kubelet computed them, and the pod's ``nodeagent.io/`` annotations.
+Linux resources as the kubelet computed them, the device nodes the runtime gives it (from the
+kubelet's device plugins and CDI), and the pod's ``nodeagent.io/`` annotations.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nodeagent.schema.strict import AsTuple, StrictModel
 CONTAINER_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 MAX_CONTAINERS = 4096
 MAX_ANNOTATIONS = 256
+MAX_DEVICES = 1024
 
 Text = Annotated[str, Field(max_length=253)]
 
@@ -47,6 +49,16 @@ class LinuxResources(StrictModel):
     memory_limit: Annotated[int, Field(ge=-1, le=1 << 62)] = 0  #: -1 or 0: no limit
 
 
+class LinuxDevice(StrictModel):
+    """A device node of the container's spec: its path inside the container, its type ("c", "b")
+    and numbers (the host's node, whatever the path)."""
+
+    path: Annotated[str, Field(max_length=4096)] = ""
+    type: Annotated[str, Field(max_length=1)] = ""
+    major: Annotated[int, Field(ge=-1, le=1 << 32)] = 0
+    minor: Annotated[int, Field(ge=-1, le=1 << 32)] = 0
+
+
 class NriContainer(StrictModel):
     """One container as the shim sees it (CreateContainer, or one of Synchronize's list)."""
 
@@ -54,6 +66,7 @@ class NriContainer(StrictModel):
     name: Text = ""
     pod: PodRef = Field(default_factory=PodRef)
     resources: LinuxResources = Field(default_factory=LinuxResources)
+    devices: Annotated[tuple[LinuxDevice, ...], AsTuple, Field(max_length=MAX_DEVICES)] = ()
 
 
 class NriSynchronize(StrictModel):
@@ -111,6 +124,7 @@ class NriSyncResult(StrictModel):
 
 __all__ = [
     "CONTAINER_ID_PATTERN",
+    "LinuxDevice",
     "LinuxResources",
     "NriAdjustment",
     "NriContainer",

@@ -55,6 +55,16 @@ type container struct {
 	Name      string         `json:"name"`
 	Pod       podRef         `json:"pod"`
 	Resources linuxResources `json:"resources"`
+	Devices   []linuxDevice  `json:"devices,omitempty"`
+}
+
+// linuxDevice: a device node of the container's spec (the kubelet's device plugins' and CDI's);
+// the agent matches its number to the devices it manages, so that the slot holds them.
+type linuxDevice struct {
+	Path  string `json:"path"`
+	Type  string `json:"type"`
+	Major int64  `json:"major"`
+	Minor int64  `json:"minor"`
 }
 
 type adjustment struct {
@@ -195,6 +205,9 @@ func describe(pod *api.PodSandbox, ctr *api.Container) container {
 		c.Resources.CPUPeriod = cpu.GetPeriod().GetValue()
 	}
 	c.Resources.MemoryLimit = res.GetMemory().GetLimit().GetValue()
+	for _, d := range ctr.GetLinux().GetDevices() {
+		c.Devices = append(c.Devices, linuxDevice{Path: d.GetPath(), Type: d.GetType(), Major: d.GetMajor(), Minor: d.GetMinor()})
+	}
 	return c
 }
 

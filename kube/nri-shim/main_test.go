@@ -49,7 +49,7 @@ func guaranteedContainer() (*api.PodSandbox, *api.Container) {
 		Linux: &api.LinuxContainer{Resources: &api.LinuxResources{
 			Cpu:    &api.LinuxCPU{Shares: api.UInt64(uint64(1024)), Quota: api.Int64(int64(100000)), Period: api.UInt64(uint64(100000))},
 			Memory: &api.LinuxMemory{Limit: api.Int64(int64(64 << 20))},
-		}},
+		}, Devices: []*api.LinuxDevice{{Path: "/dev/accel0", Type: "b", Major: 7, Minor: 3}}},
 	}
 	return pod, ctr
 }
@@ -76,6 +76,9 @@ func TestCreateForwardsTheContainerAndAppliesTheAnswer(t *testing.T) {
 	}
 	if _, ok := got.Pod.Annotations["other.io/x"]; ok {
 		t.Fatalf("forwarded an annotation that is not the agent's: %+v", got.Pod.Annotations)
+	}
+	if len(got.Devices) != 1 || got.Devices[0] != (linuxDevice{Path: "/dev/accel0", Type: "b", Major: 7, Minor: 3}) {
+		t.Fatalf("devices sent %+v", got.Devices)
 	}
 	res := adj.GetLinux().GetResources()
 	if res.GetCpu().GetCpus() != "3" || res.GetCpu().GetMems() != "0" || res.GetMemory().GetLimit().GetValue() != 64<<20 {

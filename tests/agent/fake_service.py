@@ -20,7 +20,7 @@ from nodeagent.devices.synthetic import synthetic_topology
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, InvalidRequest, NotFound, WorkerError
 from nodeagent.isolation.isolator import AppliedSlot
-from nodeagent.placement import Allocated, Assignment, capacity, plan
+from nodeagent.placement import Allocated, Assignment, PlacementOptions, capacity, plan
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.supervisor import Phase, WorkerStatus
 from nodeagent.schema.request import ResourceChanges, SlotRequest, apply_patch, request_to_dict
@@ -37,8 +37,11 @@ class _Slot:
 class FakeSlotService:
     """Slots in a dict, placed by the real planner; ``calls`` records every mutating call."""
 
-    def __init__(self, topology: Topology | None = None, *, ready: bool = True) -> None:
+    def __init__(
+        self, topology: Topology | None = None, *, ready: bool = True, options: PlacementOptions | None = None
+    ) -> None:
         self._topology = topology or synthetic_topology(2, 1, 4, 2, gpus_per_numa=1)
+        self._options = options
         self._slots: dict[str, _Slot] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -118,7 +121,7 @@ class FakeSlotService:
                         "request; release it first or pick another name"
                     )
                 return AllocateResult(existing.view, created=False)
-            assignment = plan(self._topology, self._allocated(), parsed)
+            assignment = plan(self._topology, self._allocated(), parsed, self._options)
             slot_id = f"s{next(self._ids)}"
             now = time.time()
             view = Slot(

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from nodeagent.agent.api import create_app
-from nodeagent.agent.nri import SLOT_PREFIX, slot_name, slot_request
+from nodeagent.agent.nri import SLOT_PREFIX, managed_devices, slot_name, slot_request
 from nodeagent.agent.slot import SlotState
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import InvalidRequest
+from nodeagent.placement import PlacementOptions
 from nodeagent.schema.nri_messages import NriContainer
 from tests.agent.fake_service import FakeSlotService
 from tests.agent.test_api import AUTH, TOKEN, AppClient, error_of
@@ -361,3 +362,42 @@ def test_a_failed_slot_of_the_container_is_made_again(client: AppClient, service
     assert again["slot_id"] != first["slot_id"]
     assert again["cpuset_cpus"] != ""
     assert [s["state"] for s in client.get("/v1/slots").json()["slots"]] == ["ready"]
+
+
+# --------------------------------------------------------------------------- devices
+
+
+NULL_DEVICE = {"path": "/dev/accel-in-the-container", "type": "c", "major": 1, "minor": 3}  # /dev/null's
+OTHER_DEVICE = {"path": "/dev/fuse", "type": "c", "major": 10, "minor": 229}
+
+
+def test_the_agents_devices_the_runtime_gives_a_container_are_held_by_its_slot(tmp_path: Any) -> None:
+    """Matched by number (the path inside the container may differ from the host's); devices the
+    agent does not manage, and allowed paths that are missing or not device nodes, are left out."""
+    regular = tmp_path / "not-a-device"
+    regular.write_text("")
+    managed = managed_devices(["/dev/null", str(regular), str(tmp_path / "missing")])
+    assert managed == {("c", 1, 3): "/dev/null"}
+    body = container(**GUARANTEED_1)
+    body["devices"] = [NULL_DEVICE, OTHER_DEVICE, NULL_DEVICE]
+    request = slot_request(NriContainer.model_validate(body), managed)
+    assert request.resources.devices == ("/dev/null",)
+    assert slot_request(NriContainer.model_validate(body)).resources.devices == ()  # none managed
+    assert NriContainer.model_validate(container()).devices == ()  # an older shim sends none
+
+
+def test_create_holds_the_containers_allowed_device_in_its_slot() -> None:
+    """The ledger then counts it: a second container given the same device does not fit."""
+    service = FakeSlotService(options=PlacementOptions(allowed_devices=frozenset({"/dev/null"})))
+    client = AppClient(create_app(service, token=TOKEN, nri=True, nri_devices=["/dev/null"]), AUTH)
+    body = container(**GUARANTEED_1)
+    body["devices"] = [NULL_DEVICE, OTHER_DEVICE]
+    response = client.post("/v1/nri/containers", json=body)
+    assert response.status_code == 200, response.text
+    slot = client.get(f"/v1/slots/{response.json()['slot_id']}").json()
+    assert slot["request"]["resources"]["devices"] == ["/dev/null"]
+    other = container("f" * 64, **GUARANTEED_1)
+    other["devices"] = [NULL_DEVICE]
+    refused = client.post("/v1/nri/containers", json=other)
+    assert refused.status_code == 409, refused.text
+    assert "/dev/null" in error_of(refused)[2]

@@ -24,7 +24,9 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
 3. a second Guaranteed pod asking for ``nodeagent.io/device-<loopN>`` too (a loop device as
    ``[placement] allowed_devices`` stands in for an accelerator): the node shows it allocatable,
    the kubelet admits the pod, its container reads the device node (the plugin answers device
-   nodes) and runs on its slot's exclusive CPU; the first pod has no such node;
+   nodes), its slot holds the device (the shim forwards the container's device nodes; a REST slot
+   asking for it is refused) and it runs on its slot's exclusive CPU; the first pod has no such
+   node;
 4. a kubelet restart, a containerd restart, an agent SIGKILL and restart: the pods keep running
    (the same containers, no restart) on their slots' CPUs, their slots keep their ids, no CPU is
    held twice (nor given to a REST slot), the device is allocatable again;
@@ -667,6 +669,13 @@ def step3_device(r: Run, guaranteed: str) -> str:
     assert not others.exists(), f"the Guaranteed pod, which asked for no device, has {dev} too"
     slot = r.slot_of(ctr)
     assert slot["qos"] == "guaranteed", f"the device pod's slot is {slot['qos']}, not guaranteed"
+    # The slot holds the device the kubelet gave the container (the shim forwards its device nodes):
+    # one ledger for devices too, so a REST slot cannot take it.
+    held = slot["request"]["resources"]["devices"]
+    assert held == [dev], f"the device pod's slot holds devices {held}, not [{dev}]"
+    body = {"name": "pods-e2e-dev", "qos": "best-effort", "resources": {"devices": [dev]}}
+    refused = r.api.post("/v1/slots", json=body)
+    assert refused.status_code == 409, f"a REST slot got the device pod's {dev}: {refused.text}"
     cpus = r.cgroup_cpus(ctr)
     assert sorted(parse_cpulist(cpus)) == sorted(slot["assignment"]["cpus"]), (
         f"the device pod runs on CPUs {cpus}, its slot holds {slot['assignment']['cpuset']}"
@@ -674,7 +683,8 @@ def step3_device(r: Run, guaranteed: str) -> str:
     r.exclusive_disjoint()
     say(
         f"device pod runs with {dev} (block {os.major(host.st_rdev)}:{os.minor(host.st_rdev)}), "
-        f"slot {slot['id']} exclusive CPU {slot['assignment']['cpuset']}, container cpuset.cpus={cpus}"
+        f"slot {slot['id']} holding it, exclusive CPU {slot['assignment']['cpuset']}, container "
+        f"cpuset.cpus={cpus}; a REST slot asking for {dev}: {refused.json()['error']['code']}"
     )
     return ctr
 
