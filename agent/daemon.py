@@ -377,6 +377,7 @@ def build_cdi(config: AgentConfig, *, can_isolate: bool) -> SlotCdiSpecs | None:
         CdiSpecDir(Path(config.cdi.dir), config.cdi.prefix),
         config.state_dir / "cdi",
         device_specs=config.cdi.device_specs,
+        allowed_devices=config.placement.allowed_devices,
     )
 
 

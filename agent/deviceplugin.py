@@ -32,7 +32,14 @@ import grpc
 
 from nodeagent.agent.deviceplugin_api import api_pb2 as pb
 from nodeagent.devices.topology import Topology
-from nodeagent.isolation.cdi import FPGA_KIND, GPU_KIND, qualified_name, valid_device_name
+from nodeagent.isolation.cdi import (
+    DEVICE_KIND,
+    FPGA_KIND,
+    GPU_KIND,
+    allowed_device_name,
+    qualified_name,
+    valid_device_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +144,10 @@ def resource_devices(
             )
         )
     for path in allowed_devices:
-        name = resource_label(Path(path).name)
+        name = allowed_device_name(path)
+        names = (qualified_name(DEVICE_KIND, name),) if cdi and valid_device_name(name) else ()
         out.setdefault(f"device-{name}", []).append(
-            PluginDevice(id=name, numa=None, healthy=exists(path), nodes=(path,))
+            PluginDevice(id=name, numa=None, healthy=exists(path), cdi=names, nodes=(path,))
         )
     return {k: tuple(v) for k, v in out.items()}
 

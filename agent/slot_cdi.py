@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,11 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import KernelError, NotFound, Unsupported
 from nodeagent.isolation.cdi import (
     CONTAINER_SLOT_FILE,
+    DEVICE_KIND,
     FPGA_KIND,
     GPU_KIND,
     CdiSpecDir,
+    allowed_device_name,
     device_spec,
     slot_spec,
     valid_device_name,
@@ -45,18 +47,26 @@ from nodeagent.schema.worker import WorkerSpec
 
 log = logging.getLogger("nodeagent.cdi")
 
-#: Keys of the per-device spec files (``<prefix>gpu.json``, ``<prefix>fpga.json``): never a slot id
-#: (ids start with "s" and are 13 characters long).
-DEVICE_KEYS = ("gpu", "fpga")
+#: Keys of the per-device spec files (``<prefix>gpu.json``, ``<prefix>fpga.json``,
+#: ``<prefix>device.json``): never a slot id (ids start with "s" and are 13 characters long).
+DEVICE_KEYS = ("gpu", "fpga", "device")
 
 
 class SlotCdiSpecs:
     """Writes and removes the slots' CDI specs in ``specs`` and their slot files in ``slot_files``."""
 
-    def __init__(self, specs: CdiSpecDir, slot_files: Path, *, device_specs: bool = False) -> None:
+    def __init__(
+        self,
+        specs: CdiSpecDir,
+        slot_files: Path,
+        *,
+        device_specs: bool = False,
+        allowed_devices: Sequence[str] = (),
+    ) -> None:
         self.specs = specs
         self.slot_files = slot_files
         self.device_specs = device_specs
+        self.allowed_devices = tuple(allowed_devices)
 
     def build(
         self, slot: Slot, topology: Topology, shared_pool: frozenset[int], worker_env: Mapping[str, str]
@@ -127,8 +137,8 @@ class SlotCdiSpecs:
         return False
 
     def write_device_specs(self, topology: Topology) -> list[Path]:
-        """``nodeagent.io/gpu`` and ``nodeagent.io/fpga`` specs for the devices discovered (when
-        configured); a kind with no device has no file."""
+        """``nodeagent.io/gpu``, ``nodeagent.io/fpga`` and ``nodeagent.io/device`` specs for the
+        devices discovered and allowed (when configured); a kind with no device has no file."""
         if not self.device_specs:
             return []
         written = []
@@ -142,7 +152,10 @@ class SlotCdiSpecs:
             if gpu.uuid:
                 gpus[gpu.uuid] = nodes
         fpgas = {f.id: list(f.device_nodes) for f in topology.fpgas if f.device_nodes}
-        for key, kind, found in (("gpu", GPU_KIND, gpus), ("fpga", FPGA_KIND, fpgas)):
+        # An allowed device that is not there now has no entry (the runtime would refuse the spec).
+        allowed = {allowed_device_name(p): [p] for p in self.allowed_devices if os.path.exists(p)}
+        kinds = (("gpu", GPU_KIND, gpus), ("fpga", FPGA_KIND, fpgas), ("device", DEVICE_KIND, allowed))
+        for key, kind, found in kinds:
             devices = {name: nodes for name, nodes in found.items() if valid_device_name(name)}
             if devices:
                 written.append(self.specs.write(key, device_spec(kind, devices)))

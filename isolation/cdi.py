@@ -48,6 +48,8 @@ from nodeagent.errors import KernelError, translate_os_error
 SLOT_KIND = "nodeagent.io/slot"
 GPU_KIND = "nodeagent.io/gpu"
 FPGA_KIND = "nodeagent.io/fpga"
+#: ``[placement] allowed_devices``, each by its name (:func:`allowed_device_name`).
+DEVICE_KIND = "nodeagent.io/device"
 #: The standard directory for specs generated at run time (``/etc/cdi`` is for static ones).
 DEFAULT_CDI_DIR = "/var/run/cdi"
 #: File names of the agent's slot specs start with this; files without it are never touched.
@@ -69,6 +71,12 @@ _CLASS = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?")
 
 def valid_device_name(name: str) -> bool:
     return _DEVICE_NAME.fullmatch(name) is not None
+
+
+def allowed_device_name(path: str) -> str:
+    """An allowed device's name in the agent's CDI spec and device plugin (``/dev/loop0`` ->
+    ``loop0``): its file name with what a resource or CDI name cannot hold replaced by '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).name).strip("-._") or "x"
 
 
 def valid_kind(kind: str) -> bool:
@@ -266,12 +274,14 @@ __all__ = [
     "CONTAINER_SLOT_FILE",
     "DEFAULT_CDI_DIR",
     "DEFAULT_PREFIX",
+    "DEVICE_KIND",
     "FPGA_KIND",
     "GPU_KIND",
     "SLOT_KIND",
     "CdiEdits",
     "CdiMount",
     "CdiSpecDir",
+    "allowed_device_name",
     "device_spec",
     "qualified_name",
     "required_version",

@@ -229,7 +229,7 @@ def test_allocate_answers_cdi_names_and_visible_devices(plugins: DevicePlugins, 
     assert dict(c.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{GPU[0]},{GPU[2]}"}
 
 
-def test_allocate_answers_nodes_for_mig_and_allowed_devices(
+def test_allocate_answers_nodes_for_mig_and_cdi_for_allowed_devices(
     plugins: DevicePlugins, plugin_dir: Path, fuse: str
 ) -> None:
     mig = plugins.resources["nodeagent.io/mig-3g.40gb"][0]
@@ -253,12 +253,14 @@ def test_allocate_answers_nodes_for_mig_and_allowed_devices(
             timeout=30,
         )
     c = answer.container_responses[0]
-    assert [d.host_path for d in c.devices] == [fuse]
+    # The agent's nodeagent.io/device spec names it (SlotCdiSpecs.write_device_specs).
+    assert [d.name for d in c.cdi_devices] == ["nodeagent.io/device=fuse"]
+    assert list(c.devices) == []
     assert dict(c.envs) == {}
 
 
 def test_without_cdi_specs_allocate_hands_device_nodes(
-    plugin_dir: Path, kubelet: FakeKubelet, source: Source
+    plugin_dir: Path, kubelet: FakeKubelet, source: Source, fuse: str
 ) -> None:
     p = make(plugin_dir, source, cdi=False)
     p.start(watch=False)
@@ -274,6 +276,20 @@ def test_without_cdi_specs_allocate_hands_device_nodes(
         assert c.devices[0].host_path == "/dev/nvidia1"
     finally:
         p.close()
+    with_fuse = make(plugin_dir, source, fuse=fuse, cdi=False)
+    with_fuse.start(watch=False)
+    try:
+        channel, dp = stub(plugin_dir, "device-fuse")
+        with channel:
+            answer = dp.Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["fuse"])]),
+                timeout=30,
+            )
+        c = answer.container_responses[0]
+        assert list(c.cdi_devices) == []
+        assert [d.host_path for d in c.devices] == [fuse]
+    finally:
+        with_fuse.close()
 
 
 def test_bad_requests_are_invalid_argument(plugins: DevicePlugins, plugin_dir: Path) -> None:

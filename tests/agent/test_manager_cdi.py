@@ -191,6 +191,27 @@ def test_device_specs_for_the_hosts_gpus_and_fpgas(tmp_path: Path) -> None:
     assert cdi.specs.keys() == set()
 
 
+def test_a_device_spec_for_the_allowed_devices_that_are_there(tmp_path: Path) -> None:
+    """``nodeagent.io/device=<name>`` for each allowed device present (the device plugin's CDI
+    answer for ``nodeagent.io/device-<name>``); one that is missing has no entry."""
+    cdi = SlotCdiSpecs(
+        CdiSpecDir(tmp_path / "cdi"),
+        tmp_path / "files",
+        device_specs=True,
+        allowed_devices=("/dev/null", "/dev/nodeagent-missing"),
+    )
+    written = [p.name for p in cdi.write_device_specs(synthetic_topology(sockets=1, numa_per_socket=1))]
+    assert written == ["nodeagent-slot-device.json"]
+    spec = cdi.specs.read("device")
+    assert spec is not None
+    jsonschema.validate(spec, cdi_schema(spec["cdiVersion"]))
+    assert spec["kind"] == "nodeagent.io/device"
+    assert [(d["name"], d["containerEdits"]["deviceNodes"]) for d in spec["devices"]] == [
+        ("null", [{"path": "/dev/null"}])
+    ]
+    assert cdi.remove_stale(set()) == []  # kept beside the slots' specs
+
+
 def test_a_container_worker_without_cdi_specs_is_refused_at_once(make: Any) -> None:
     manager = make(with_cdi=False)
     request = {**guaranteed("ctr"), "worker": {"container": {"image": "localhost/x:1"}}}

@@ -410,10 +410,12 @@ def nri_agent(
     partitioning: str = "off",
     placement: str = "",
     kubernetes: str = "",
+    cdi: str = "",
 ) -> DaemonProcess:
     """A test agent in ``work`` with NRI on, its API on a unix socket (``work/agent.sock``, where
     the shim calls it), its own cgroup parent and network names (``short``: two letters), and the
-    ``[placement]`` and further ``[kubernetes]`` lines given."""
+    ``[placement]``, further ``[kubernetes]`` and ``[cdi]`` lines given (no ``[cdi]``: specs in a
+    directory of its own)."""
     pid = os.getpid()
     return DaemonProcess(
         work,
@@ -422,6 +424,7 @@ def nri_agent(
         f'netns_prefix = "{short}{pid}-"\nveth_prefix = "{short}e"\n'
         f'firewall_table = "{parent.removesuffix(".slice")}"\n\n'
         + (f"[placement]\n{placement}\n\n" if placement else "")
+        + (f"[cdi]\n{cdi}\n\n" if cdi else "")
         + f"[kubernetes]\nnri = true\n{kubernetes}",
     )
 

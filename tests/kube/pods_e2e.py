@@ -23,8 +23,9 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    free) fails its creation with the agent's reason in the pod's events, and holds no slot;
 3. a second Guaranteed pod asking for ``nodeagent.io/device-<loopN>`` too (a loop device as
    ``[placement] allowed_devices`` stands in for an accelerator): the node shows it allocatable,
-   the kubelet admits the pod, its container reads the device node (the plugin answers device
-   nodes), its slot holds the device (the shim forwards the container's device nodes; a REST slot
+   the kubelet admits the pod, its container reads the device node (the plugin answers the
+   agent's CDI name ``nodeagent.io/device=<loopN>``, which containerd resolves from the agent's
+   spec in its CDI directory), its slot holds the device (the shim forwards the container's device nodes; a REST slot
    asking for it is refused) and it runs on its slot's exclusive CPU; the first pod has no such
    node;
 4. a kubelet restart, a containerd restart, an agent SIGKILL and restart: the pods keep running
@@ -673,6 +674,12 @@ def step3_device(r: Run, guaranteed: str) -> str:
     # one ledger for devices too, so a REST slot cannot take it.
     held = slot["request"]["resources"]["devices"]
     assert held == [dev], f"the device pod's slot holds devices {held}, not [{dev}]"
+    # Through CDI: the kubelet handed containerd the agent's CDI name, which containerd resolved
+    # from the agent's nodeagent.io/device spec.
+    cdi_name = f"nodeagent.io/device={Path(dev).name}"
+    assert cdi_name in r.cri.run("inspect", ctr).stdout, (
+        f"the container's config names no CDI device {cdi_name}"
+    )
     body = {"name": "pods-e2e-dev", "qos": "best-effort", "resources": {"devices": [dev]}}
     refused = r.api.post("/v1/slots", json=body)
     assert refused.status_code == 409, f"a REST slot got the device pod's {dev}: {refused.text}"
@@ -683,8 +690,9 @@ def step3_device(r: Run, guaranteed: str) -> str:
     r.exclusive_disjoint()
     say(
         f"device pod runs with {dev} (block {os.major(host.st_rdev)}:{os.minor(host.st_rdev)}), "
-        f"slot {slot['id']} holding it, exclusive CPU {slot['assignment']['cpuset']}, container "
-        f"cpuset.cpus={cpus}; a REST slot asking for {dev}: {refused.json()['error']['code']}"
+        f"through CDI {cdi_name}, slot {slot['id']} holding it, exclusive CPU "
+        f"{slot['assignment']['cpuset']}, container cpuset.cpus={cpus}; a REST slot asking for {dev}: "
+        f"{refused.json()['error']['code']}"
     )
     return ctr
 
@@ -907,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
         PARENT,
         partitioning="auto",
         placement=f'allowed_devices = ["{args.device}"]',
+        # Specs where containerd reads them: the device plugin answers the device's CDI name.
+        cdi=f'dir = "{args.work / "cdi"}"\ndevice_specs = true',
         kubernetes=(
             f'device_plugin = true\ndevice_plugin_dir = "{args.device_plugin_dir}/"\n'
             f'pods_cgroups = ["{KUBE_CGROUP_ROOT}/kubepods"]\n'
