@@ -442,6 +442,26 @@ def _device_plugins(config: AgentConfig, manager: SlotManager) -> DevicePlugins 
     )
 
 
+def _watch_nri(config: AgentConfig, manager: SlotManager) -> None:
+    """NRI in ``GET /v1/node``'s integrations (and `nodeagent doctor`): while host partitioning is
+    on, whether the kubelet's pod cgroups it must leave alone are where ``pods_cgroups`` says."""
+    if not config.kubernetes.nri:
+        return
+    from nodeagent.agent.nri import pods_cgroups_problems  # noqa: PLC0415
+
+    isolation = manager.isolation
+    if not isinstance(isolation, KernelIsolation) or config.isolation.host_partitioning != "auto":
+        manager.watch_integration("nri", tuple)
+        return
+    host = isolation.isolator.host
+    if host.mode == "v2" and host.v2_mount is not None:
+        roots = [host.v2_mount]
+    else:
+        roots = list(dict.fromkeys(host.v1_mounts.values()))
+    pods = config.kubernetes.pods_cgroups
+    manager.watch_integration("nri", lambda: pods_cgroups_problems(pods, roots))
+
+
 class _Integration(Protocol):
     def problems(self) -> tuple[str, ...]: ...
     def close(self) -> None: ...
@@ -792,6 +812,7 @@ def serve(config: AgentConfig, *, recovery: RecoveryMode = RecoveryMode.REFUSE) 
     reporter = _reporter(config, manager, metrics, reporter_token)
     plugins = _device_plugins(config, manager)
     nrt = _nrt_publisher(config, manager)
+    _watch_nri(config, manager)
     watchdog = notify.Watchdog.from_environment()
     received: list[int] = []
     try:

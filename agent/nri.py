@@ -27,6 +27,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.service import SlotService
@@ -152,6 +153,21 @@ def container_devices(container: NriContainer, managed: Mapping[DeviceNumber, st
     the path inside the container may differ from the host's."""
     held = [managed.get((d.type, d.major, d.minor)) for d in container.devices]
     return tuple(dict.fromkeys(path for path in held if path is not None))
+
+
+def pods_cgroups_problems(pods_cgroups: Sequence[str], roots: Sequence[Path]) -> tuple[str, ...]:
+    """With host partitioning on: a problem when none of ``[kubernetes] pods_cgroups`` is under any
+    of the cgroup ``roots`` (the kubelet's pods would be confined as the host's, and on cgroup v2
+    its Guaranteed containers moved off their exclusive CPUs). Asked each time the node is read:
+    a kubelet that starts after the agent makes it go away."""
+    if any((root / path.strip("/")).is_dir() for root in roots for path in pods_cgroups):
+        return ()
+    return (
+        f"none of [kubernetes] pods_cgroups ({', '.join(pods_cgroups)}) is a cgroup here: host "
+        "partitioning would confine the kubelet's pods with the rest of the host (on cgroup v2 their "
+        "Guaranteed containers would lose their exclusive CPUs); set pods_cgroups to the kubelet's "
+        "cgroup root followed by kubepods (kubepods.slice with the systemd driver), or start the kubelet",
+    )
 
 
 def slot_request(container: NriContainer, managed: Mapping[DeviceNumber, str] | None = None) -> SlotRequest:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from nodeagent.agent.api import create_app
-from nodeagent.agent.nri import SLOT_PREFIX, managed_devices, slot_name, slot_request
+from nodeagent.agent.nri import SLOT_PREFIX, managed_devices, pods_cgroups_problems, slot_name, slot_request
 from nodeagent.agent.slot import SlotState
 from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import InvalidRequest
@@ -401,3 +401,17 @@ def test_create_holds_the_containers_allowed_device_in_its_slot() -> None:
     refused = client.post("/v1/nri/containers", json=other)
     assert refused.status_code == 409, refused.text
     assert "/dev/null" in error_of(refused)[2]
+
+
+def test_pods_cgroups_that_are_nowhere_are_a_problem_until_they_appear(tmp_path: Any) -> None:
+    """With host partitioning on, pods_cgroups that name no cgroup would leave the kubelet's pods to
+    be confined with the host: GET /v1/node (and `nodeagent doctor`) says so until they exist."""
+    roots = [tmp_path / "cpuset", tmp_path / "memory"]
+    for root in roots:
+        root.mkdir()
+    (said,) = pods_cgroups_problems(["kubepods", "kubepods.slice"], roots)
+    assert "none of [kubernetes] pods_cgroups (kubepods, kubepods.slice)" in said
+    assert "cgroup root followed by kubepods" in said
+    (roots[0] / "kube" / "kubepods").mkdir(parents=True)  # the kubelet started, --cgroup-root=kube
+    assert pods_cgroups_problems(["/kube/kubepods/"], roots) == ()
+    assert pods_cgroups_problems(["kubepods"], roots) != ()

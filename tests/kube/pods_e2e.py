@@ -25,9 +25,9 @@ Run by ``kube/pods-e2e`` (root; the components from kube/build's cache). Checks,
    ``[placement] allowed_devices`` stands in for an accelerator): the node shows it allocatable,
    the kubelet admits the pod, its container reads the device node (the plugin answers the
    agent's CDI name ``nodeagent.io/device=<loopN>``, which containerd resolves from the agent's
-   spec in its CDI directory), its slot holds the device (the shim forwards the container's device nodes; a REST slot
-   asking for it is refused) and it runs on its slot's exclusive CPU; the first pod has no such
-   node;
+   spec in its CDI directory), its slot holds the device (the shim forwards the container's
+   device nodes; a REST slot asking for it is refused) and it runs on its slot's exclusive CPU;
+   the first pod has no such node;
 4. a kubelet restart, a containerd restart, an agent SIGKILL and restart: the pods keep running
    (the same containers, no restart) on their slots' CPUs, their slots keep their ids, no CPU is
    held twice (nor given to a REST slot), the device is allocatable again;
@@ -831,6 +831,9 @@ def run(r: Run) -> None:
         start_shim(r.args, r.daemon, r.shim_log)
         baseline = {"cgroups": r.agent_cgroups(), "cdi": r.cdi_specs()}
         say(f"agent up, shim registered; agent cgroups {sorted(baseline['cgroups'])}")
+        # The kubelet's pod cgroups are where pods_cgroups says: partitioning leaves them alone.
+        integrations = r.api.get("/v1/node").json()["integrations"]
+        assert integrations.get("nri") == [], f"GET /v1/node integrations: {integrations}"
         nrt_owned_by_the_node(r)
     with step("1. Guaranteed, Burstable, BestEffort pods"):
         ids = step1_classes(r)
