@@ -453,11 +453,7 @@ def _watch_nri(config: AgentConfig, manager: SlotManager) -> None:
     if not isinstance(isolation, KernelIsolation) or config.isolation.host_partitioning != "auto":
         manager.watch_integration("nri", tuple)
         return
-    host = isolation.isolator.host
-    if host.mode == "v2" and host.v2_mount is not None:
-        roots = [host.v2_mount]
-    else:
-        roots = list(dict.fromkeys(host.v1_mounts.values()))
+    roots = isolation.isolator.host.controller_roots()
     pods = config.kubernetes.pods_cgroups
     manager.watch_integration("nri", lambda: pods_cgroups_problems(pods, roots))
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nodeagent.agent.config import AgentConfig
 from nodeagent.agent.daemon import build_cdi, build_isolation, lock_state_dir
 from nodeagent.agent.slot_cdi import DEVICE_KEYS
 from nodeagent.agent.state import StateStore
-from nodeagent.cgroups import CgroupHost, detect
+from nodeagent.cgroups import detect
 from nodeagent.devices.discovery import discover
 from nodeagent.errors import Conflict
 from nodeagent.isolation.api_guard import ApiGuard, table_name
@@ -131,7 +130,9 @@ def uninstall(config: AgentConfig, *, release_slots: bool = False, purge: bool =
     report.keeper_pid = None if keeper is None else keeper.pid
     if kernel is not None:
         isolator = kernel.isolator
-        parent_existed = any((mount / isolator.hierarchy.parent).exists() for mount in _mounts(host))
+        parent_existed = any(
+            (mount / isolator.hierarchy.parent).exists() for mount in host.controller_roots()
+        )
         table = isolator.config.network.nft_table
         firewall = isolator.network.firewall
         had_table = isinstance(firewall, NftFirewall) and firewall.read_table().exists
@@ -167,13 +168,6 @@ def uninstall(config: AgentConfig, *, release_slots: bool = False, purge: bool =
         shutil.rmtree(state_dir)
         report.purged = str(state_dir)
     return report
-
-
-def _mounts(host: CgroupHost) -> list[Path]:
-    """Every hierarchy the agent's parent may live in: v2's mount, or each v1 controller's."""
-    if host.mode == "v2" and host.v2_mount is not None:
-        return [host.v2_mount]
-    return list(dict.fromkeys(host.v1_mounts.values()))
 
 
 __all__ = ["UninstallReport", "known_slots", "uninstall"]

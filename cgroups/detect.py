@@ -60,6 +60,13 @@ class CgroupHost:
     #: Every mounted cgroup hierarchy (v1 controllers, named ones such as name=systemd, cgroup2).
     all_mounts: tuple[Path, ...] = ()
 
+    def controller_roots(self) -> list[Path]:
+        """Every hierarchy a cgroup path of the controllers may live in: v2's mount, or each
+        distinct v1 controller mount (co-mounted controllers once)."""
+        if self.mode == "v2" and self.v2_mount is not None:
+            return [self.v2_mount]
+        return list(dict.fromkeys(self.v1_mounts.values()))
+
     def mount_for(self, controller: str) -> Path:
         """The v1 hierarchy that carries ``controller``."""
         try:

@@ -214,16 +214,18 @@ def test_preferred_keeps_one_node_and_honours_must_include() -> None:
         preferred(devices, ids, [], 5, {})
 
 
-def test_allocate_answers_cdi_names_and_visible_devices(plugins: DevicePlugins, plugin_dir: Path) -> None:
-    channel, dp = stub(plugin_dir, "gpu")
+def allocate(plugin_dir: Path, resource: str, ids: list[str]) -> Any:
+    """One container's Allocate answer from the plugin of ``nodeagent.io/<resource>``."""
+    channel, dp = stub(plugin_dir, resource)
     with channel:
         answer = dp.Allocate(
-            pb.AllocateRequest(
-                container_requests=[pb.ContainerAllocateRequest(devices_ids=[GPU[0], GPU[2]])]
-            ),
-            timeout=30,
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]), timeout=30
         )
-    c = answer.container_responses[0]
+    return answer.container_responses[0]
+
+
+def test_allocate_answers_cdi_names_and_visible_devices(plugins: DevicePlugins, plugin_dir: Path) -> None:
+    c = allocate(plugin_dir, "gpu", [GPU[0], GPU[2]])
     assert [d.name for d in c.cdi_devices] == [f"nodeagent.io/gpu={GPU[0]}", f"nodeagent.io/gpu={GPU[2]}"]
     assert list(c.devices) == []
     assert dict(c.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{GPU[0]},{GPU[2]}"}
@@ -233,26 +235,14 @@ def test_allocate_answers_nodes_for_mig_and_cdi_for_allowed_devices(
     plugins: DevicePlugins, plugin_dir: Path, fuse: str
 ) -> None:
     mig = plugins.resources["nodeagent.io/mig-3g.40gb"][0]
-    channel, dp = stub(plugin_dir, "mig-3g.40gb")
-    with channel:
-        answer = dp.Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[mig.id])]),
-            timeout=30,
-        )
-    c = answer.container_responses[0]
+    c = allocate(plugin_dir, "mig-3g.40gb", [mig.id])
     # No CDI spec names MIG instances: the GPU's node and the instance's capability node.
     assert [(d.host_path, d.container_path, d.permissions) for d in c.devices] == [
         ("/dev/nvidia3", "/dev/nvidia3", "rw"),
         ("/dev/nvidia-caps/nvidia-cap303", "/dev/nvidia-caps/nvidia-cap303", "rw"),
     ]
     assert dict(c.envs) == {"NVIDIA_VISIBLE_DEVICES": mig.id}
-    channel, dp = stub(plugin_dir, "device-fuse")
-    with channel:
-        answer = dp.Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["fuse"])]),
-            timeout=30,
-        )
-    c = answer.container_responses[0]
+    c = allocate(plugin_dir, "device-fuse", ["fuse"])
     # The agent's nodeagent.io/device spec names it (SlotCdiSpecs.write_device_specs).
     assert [d.name for d in c.cdi_devices] == ["nodeagent.io/device=fuse"]
     assert list(c.devices) == []
@@ -265,13 +255,7 @@ def test_without_cdi_specs_allocate_hands_device_nodes(
     p = make(plugin_dir, source, cdi=False)
     p.start(watch=False)
     try:
-        channel, dp = stub(plugin_dir, "gpu")
-        with channel:
-            answer = dp.Allocate(
-                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[GPU[1]])]),
-                timeout=30,
-            )
-        c = answer.container_responses[0]
+        c = allocate(plugin_dir, "gpu", [GPU[1]])
         assert list(c.cdi_devices) == []
         assert c.devices[0].host_path == "/dev/nvidia1"
     finally:
@@ -279,13 +263,7 @@ def test_without_cdi_specs_allocate_hands_device_nodes(
     with_fuse = make(plugin_dir, source, fuse=fuse, cdi=False)
     with_fuse.start(watch=False)
     try:
-        channel, dp = stub(plugin_dir, "device-fuse")
-        with channel:
-            answer = dp.Allocate(
-                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["fuse"])]),
-                timeout=30,
-            )
-        c = answer.container_responses[0]
+        c = allocate(plugin_dir, "device-fuse", ["fuse"])
         assert list(c.cdi_devices) == []
         assert [d.host_path for d in c.devices] == [fuse]
     finally:

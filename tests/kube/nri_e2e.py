@@ -126,6 +126,12 @@ def cgroup_file(pid: int, controller: str, name: str) -> str:
     raise AssertionError(f"no {controller} cgroup for pid {pid}")
 
 
+def task_cpus(pid: int) -> str:
+    """The CPUs a task may run on (its ``Cpus_allowed_list``)."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(line.split(":", 1)[1].strip() for line in status if line.startswith("Cpus_allowed_list"))
+
+
 def cpus_of(cri: Crictl, ctr: str) -> str:
     """The CPUs the container's cgroup gives it."""
     pid = int(json.loads(cri.run("inspect", ctr).stdout)["info"]["pid"])
@@ -222,11 +228,7 @@ def guaranteed(cri: Crictl, client: Any, pod: str, pod_json: str, name: str) -> 
     pid = int(json.loads(cri.run("inspect", ctr).stdout)["info"]["pid"])
     cpuset = cgroup_file(pid, "cpuset", "cpuset.cpus")
     memory = cgroup_file(pid, "memory", "memory.limit_in_bytes")
-    allowed = next(
-        line.split(":", 1)[1].strip()
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-        if line.startswith("Cpus_allowed_list")
-    )
+    allowed = task_cpus(pid)
     say(
         f"container {ctr[:13]} (crictl create took {created_s:.2f}s): slot {slot['id']} "
         f"{slot['name'][:20]}... exclusive cpuset {assignment['cpuset']} numa {assignment['numa_nodes']}; "
@@ -240,11 +242,7 @@ def guaranteed(cri: Crictl, client: Any, pod: str, pod_json: str, name: str) -> 
             "the host to be kept off the slot's CPU", lambda: not os.sched_getaffinity(0) & exclusive, 15
         )
         cpuset = cgroup_file(pid, "cpuset", "cpuset.cpus")
-        allowed = next(
-            line.split(":", 1)[1].strip()
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-            if line.startswith("Cpus_allowed_list")
-        )
+        allowed = task_cpus(pid)
         host = sorted(os.sched_getaffinity(0))
         say(f"host partitioned: the test runs on {host}, the container on {allowed}")
     assert cpuset == assignment["cpuset"], (cpuset, assignment["cpuset"])

@@ -129,14 +129,18 @@ class Kube:
             "create", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(pods)})
         )
 
-    def pod(self, name: str) -> dict[str, Any] | None:
-        done = self.run("get", "pod", name, "-n", "default", "-o", "json", check=False)
+    def found(self, *what: str) -> dict[str, Any] | None:
+        """``kubectl get WHAT -o json``; None when the object does not exist."""
+        done = self.run("get", *what, "-o", "json", check=False)
         if done.returncode != 0:
             if "NotFound" in done.stderr:
                 return None
-            raise AssertionError(f"kubectl get pod {name} failed: {done.stderr.strip()}")
-        pod: dict[str, Any] = json.loads(done.stdout)
-        return pod
+            raise AssertionError(f"kubectl get {' '.join(what)} failed: {done.stderr.strip()}")
+        obj: dict[str, Any] = json.loads(done.stdout)
+        return obj
+
+    def pod(self, name: str) -> dict[str, Any] | None:
+        return self.found("pod", name, "-n", "default")
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = self.json("get", "pods", "-n", "default", "-l", selector)["items"]
@@ -144,13 +148,7 @@ class Kube:
 
     def nrt(self) -> dict[str, Any] | None:
         """This node's NodeResourceTopology object, None while there is none."""
-        done = self.run("get", "noderesourcetopology", NODE, "-o", "json", check=False)
-        if done.returncode != 0:
-            if "NotFound" in done.stderr:
-                return None
-            raise AssertionError(f"kubectl get noderesourcetopology {NODE} failed: {done.stderr.strip()}")
-        found: dict[str, Any] = json.loads(done.stdout)
-        return found
+        return self.found("noderesourcetopology", NODE)
 
     def nrt_cpus_available(self) -> int:
         """Exclusive CPUs the NodeResourceTopology says are available, over its zones."""
