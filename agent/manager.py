@@ -55,15 +55,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nodeagent import __version__
-from nodeagent.agent.parts import CdiPart, IdentityPart, LedgerPart, PortsPart
+from nodeagent.agent.parts import CdiPart, IdentityPart, IsolationPart, LedgerPart, PortsPart, SlotParts
 from nodeagent.agent.reconcile import ReconcileReport, reconcile
 from nodeagent.agent.recovery import RecoveryMode
-from nodeagent.agent.sandbox import SandboxPolicy, check_private_sizes, slot_device_paths
+from nodeagent.agent.sandbox import SandboxPolicy
 from nodeagent.agent.service import AllocateResult, NodeInfo, QosView
 from nodeagent.agent.slot import Slot, SlotState, Worker
 from nodeagent.agent.slot_cdi import SlotCdiSpecs
+from nodeagent.agent.slot_workers import WorkersPart
 from nodeagent.agent.state import StateStore
-from nodeagent.agent.translate import assignment_of, isolation_spec, slot_description
+from nodeagent.agent.translate import assignment_of
 from nodeagent.agent.worker_logs import WorkerLogs
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import (
@@ -92,14 +93,11 @@ from nodeagent.placement import (
 from nodeagent.runtime.limits import RlimitCeilings, host_ceilings
 from nodeagent.runtime.logs import LogLine
 from nodeagent.runtime.ports import in_use_on_host
-from nodeagent.runtime.presets import FindProgram, bind_address, resolve
-from nodeagent.runtime.supervision import SupervisionLoop
-from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
-from nodeagent.runtime.worker_kind import kind_of, slot_kind
+from nodeagent.runtime.presets import FindProgram
+from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase
 from nodeagent.runtime.workers import Readoption, WorkerRuntime
 from nodeagent.schema.pool import is_standby_name
 from nodeagent.schema.request import (
-    QOS_CLASSES,
     SLOT_ID_FORM,
     ResourceChanges,
     SlotRequest,
@@ -167,40 +165,58 @@ class SlotManager:
         each slot's CDI spec is kept (agent.slot_cdi), None for no specs."""
         self._store = store
         self._topology = topology
-        self._isolation = isolation
-        self._runtime = runtime
         self._options = options or PlacementOptions()
         self._node_id = node_id or socket.gethostname()
         self._allow_unisolated = allow_unisolated
         self._recovery = recovery
         self._clock = clock
         self._sandbox = sandbox
+        self._started_at = clock()
+        self._lock = threading.RLock()
+        self._subscribers: list[Callable[[], None]] = []
+        #: Kubernetes integrations beside the manager (the daemon's): name -> their current problems
+        self._integrations: dict[str, Callable[[], tuple[str, ...]]] = {}
+        self._ready = False
+        self._host = host
+        self._qos: QosView | None = None
+        self._pool_rank: Callable[[str], int] | None = None
+        # The parts of a slot, one owner per resource (agent/parts.py, agent/slot_workers.py).
+        self._isolation = IsolationPart(isolation, topology)
+        self._ledger = LedgerPart(host)
         self._cdi = CdiPart(cdi, store, topology, self._shared_pool)
         self._ports = PortsPart(store, port_range, port_in_use)
         self._identity = IdentityPart(store, sandbox)
-        self._find_program = find_program
-        self._rlimit_ceilings = rlimit_ceilings or host_ceilings()
-        self._host_memory = sum(node.memory_bytes or 0 for node in topology.numa_nodes)
+        self._workers = WorkersPart(
+            store,
+            runtime,
+            self._lock,
+            self._notify,
+            isolation=self._isolation,
+            ports=self._ports,
+            identity=self._identity,
+            cdi=self._cdi,
+            sandbox=sandbox,
+            find_program=find_program,
+            rlimit_ceilings=rlimit_ceilings or host_ceilings(),
+            host_memory=sum(node.memory_bytes or 0 for node in topology.numa_nodes),
+            shared_pool=self._shared_pool,
+            tick_seconds=tick_seconds,
+        )
         self._logs = WorkerLogs(
             runtime,
             lambda key: self._view(self._slot(key)),
             retention_seconds=log_retention_seconds,
             clock=clock,
         )
-        self._started_at = clock()
-        self._lock = threading.RLock()
-        self._worker_status: dict[str, WorkerStatus] = {}
-        self._loop = SupervisionLoop(self._lock, self._record_status, self._notify, tick_seconds=tick_seconds)
-        self._subscribers: list[Callable[[], None]] = []
-        #: Kubernetes integrations beside the manager (the daemon's): name -> their current problems
-        self._integrations: dict[str, Callable[[], tuple[str, ...]]] = {}
-        self._ready = False
-        self._host = host
-        self._ledger = LedgerPart(host)
-        self._qos: QosView | None = None
-        self._pool_rank: Callable[[str], int] | None = None
-        #: The CPUs a pool's slots get (agent/pools.py), for its standbys' thread counts.
-        self._pool_shape: Callable[[str], float | None] | None = None
+        self._parts = SlotParts(
+            ledger=self._ledger,
+            isolation=self._isolation,
+            ports=self._ports,
+            identity=self._identity,
+            cdi=self._cdi,
+            workers=self._workers,
+            logs=self._logs,
+        )
         self.report: ReconcileReport | None = None
 
     @property
@@ -236,7 +252,12 @@ class SlotManager:
     @property
     def isolation(self) -> IsolationBackend:
         """The kernel side this manager drives (the QoS loop acts on the same isolator)."""
-        return self._isolation
+        return self._isolation.backend
+
+    @property
+    def parts(self) -> SlotParts:
+        """The slot's parts, one owner per resource (agent/parts.py)."""
+        return self._parts
 
     def attach_qos(self, view: QosView | None) -> None:
         """Let the QoS loop (agent.qos_loop) add its view to slots and capacity and bound best-effort
@@ -256,10 +277,10 @@ class SlotManager:
         (``[workers] on_agent_stop = "stop"``); each one that is meant to run is started again at once.
         """
         if supervise:
-            self._loop.open()
+            self._workers.open()
         report = self.reconcile(restart_workers=restart_workers)
         if supervise:
-            self._loop.start()
+            self._workers.start()
             if self._host is not None:
                 self._host.start()
         return report
@@ -269,10 +290,9 @@ class SlotManager:
 
         The host stays confined while exclusive slots remain (their workers keep running, and the next
         start takes over the record); with none left it is put back."""
-        self._loop.close()
+        self._workers.close()  # the runtime too (the keeper's connection)
         if self._host is not None:
             self._host.close(exclusive_held=bool(self._ledger.held.cpus))
-        self._runtime.close()
         self._store.close()
 
     # ------------------------------------------------------------------ SlotService: reads
@@ -283,10 +303,10 @@ class SlotManager:
             hostname=socket.gethostname(),
             agent_version=__version__,
             started_at=self._started_at,
-            cgroup_mode=self._isolation.cgroup_mode,
+            cgroup_mode=self._isolation.backend.cgroup_mode,
             host_partitioning=None if self._host is None else self._host.status(),
             degraded=(
-                self._isolation.degraded()
+                self._isolation.backend.degraded()
                 + (self._sandbox.degraded() if self._sandbox else ())
                 + tuple(filter(None, (self._store.short(),)))
             ),
@@ -379,15 +399,7 @@ class SlotManager:
     def allocate(self, req: SlotRequest) -> AllocateResult:
         check_client_request(req)
         if req.worker is not None:
-            # A preset that lacks a field, or a program that is not there, refuses before anything
-            # is placed.
-            resolved = resolve(req.worker, find=self._find_program)
-            self._rlimit_ceilings.check(req.worker.rlimits)
-            check_private_sizes(req.worker, self._host_memory)
-            if self._sandbox is not None:
-                self._sandbox.check(req.worker)  # an opt-out not allowed, or the host lacks a piece
-                self._sandbox.check_arguments(resolved)
-            self._cdi.check(req.worker)
+            self._workers.check(req.worker)  # before anything is placed
         self._check_isolation()
         with self._lock:
             self._store.check_space()
@@ -480,7 +492,7 @@ class SlotManager:
         if slot.state != SlotState.RELEASING:
             with self._store.transaction(durable=False):
                 slot = self._store.update_slot(dataclasses.replace(slot, state=SlotState.RELEASING))
-        self._finish_release(slot)
+        self.finish_release(slot)
 
     def _forget_refused(self, slot: Slot, err: NodeAgentError) -> None:
         """An allocate that failed leaves no trace: the client has the error, and a failed row would
@@ -495,35 +507,30 @@ class SlotManager:
             self._store.add_event("refused", f"slot {slot.name!r} not allocated: {err}", slot.id)
 
     def _finish_allocate(self, pending: Slot, req: SlotRequest) -> AllocateResult:
-        slot = self._finish_pending(pending, worker=req.worker)
+        slot = self.finish_pending(pending, worker=req.worker)
         if req.worker is not None:
-            self._launch_worker(slot, req.worker)
+            self._workers.launch(slot, req.worker)
         self._notify()
         return AllocateResult(self._view(self._slot(slot.id)), created=True)
 
     def _check_isolation(self) -> None:
         if not self._isolation.isolates and not self._allow_unisolated:
-            degraded = self._isolation.degraded()
+            degraded = self._isolation.backend.degraded()
             raise Unsupported(
                 "this agent cannot isolate slots: " + "; ".join(degraded) + ". Run it as root (or on a "
                 "delegated cgroup), or set [isolation] allow_unisolated = true to run slots without isolation"
             )
 
-    def _finish_pending(self, slot: Slot, *, worker: WorkerSpec | None = None) -> Slot:
+    # ------------------------------------------------------------------ the sequencer's steps
+    # (public for start-up, agent/reconcile.py, which finishes what a killed agent left)
+
+    def finish_pending(self, slot: Slot, *, worker: WorkerSpec | None = None) -> Slot:
         """Apply isolation for a pending slot (and record the worker it wants, in the same commit);
-        on failure roll back, mark failed and re-raise."""
-        spec = isolation_spec(slot, self._topology)
-        before = slot.applied
+        on failure roll back, mark failed and re-raise. The caller holds the lock."""
         try:
-            if before is not None and before.qos != spec.qos and before.qos in QOS_CLASSES:
-                # A claim on a warm pool that the agent died in: the standby's processes still sit
-                # in its burstable cgroup (or were moved but not recorded).
-                applied = self._isolation.change_class(spec, before.qos)
-                self._isolation.thaw(slot.id, spec.qos)
-            else:
-                applied = self._isolation.apply(spec)
+            applied = self._isolation.apply(slot)
         except NodeAgentError as err:
-            self._fail(slot, f"isolation failed: {err}")
+            self.fail(slot, f"isolation failed: {err}")
             raise
         try:
             with self._store.transaction():
@@ -543,8 +550,9 @@ class SlotManager:
         self._cdi.apply(ready, worker)
         return ready
 
-    def _fail(self, slot: Slot, reason: str) -> None:
-        """Roll a slot back: kernel objects removed, resources freed, row kept as ``failed``.
+    def fail(self, slot: Slot, reason: str) -> None:
+        """Roll a slot back: kernel objects removed, resources freed, row kept as ``failed`` (the
+        caller holds the lock).
 
         When its kernel objects cannot be removed, the slot keeps its resources as ``releasing``
         instead: freeing CPUs that a cgroup still holds would hand them to a second slot. The release
@@ -569,7 +577,7 @@ class SlotManager:
 
     def _discard_failed(self, slot: Slot) -> None:
         self._store.delete_slot(slot.id)
-        self._runtime.discard(slot.id, kind=slot_kind(slot.request))
+        self._workers.discard(slot, keep_logs=False)
         self._store.add_event("discard", f"failed slot {slot.name!r} replaced by a new allocation", slot.id)
 
     # ------------------------------------------------------------------ SlotService: resize
@@ -587,12 +595,12 @@ class SlotManager:
             resized = self._store.update_slot(dataclasses.replace(slot, request=new_request, assignment=new))
             self._ledger.set(without.add(new))
             try:
-                applied = self._isolation.apply(isolation_spec(resized, self._topology))
+                applied = self._isolation.apply(resized)
             except NodeAgentError:
                 self._ledger.set(self._ledger.held.remove(new).add(old))
                 self._store.update_slot(slot)
                 with contextlib.suppress(NodeAgentError):
-                    self._isolation.apply(isolation_spec(slot, self._topology))
+                    self._isolation.apply(slot)
                 raise
             resized = dataclasses.replace(resized, applied=applied)
             try:
@@ -616,15 +624,18 @@ class SlotManager:
             if slot.state != SlotState.RELEASING:
                 with self._store.transaction(durable=False):  # the row's deletion is the durable step
                     slot = self._store.update_slot(dataclasses.replace(slot, state=SlotState.RELEASING))
-            supervisor = self._loop.remove(slot.id)
+            supervisor = self._workers.remove(slot.id)
         self._notify()
         if supervisor is not None:
-            self._stop_and_wait(supervisor)
+            self._workers.stop_and_wait(supervisor)
         with self._lock:
-            self._finish_release(slot)
+            self.finish_release(slot)
         self._notify()
 
-    def _finish_release(self, slot: Slot) -> None:
+    def finish_release(self, slot: Slot) -> None:
+        """The release of a ``releasing`` slot whose worker is stopped: its kernel objects, CDI
+        spec and share of the ledger go, then its row, then its worker's directory (the logs kept
+        as configured). The caller holds the lock."""
         self._isolation.release(slot.id)
         self._cdi.release(slot.id)
         if slot.assignment is not None and slot.holding:
@@ -633,16 +644,13 @@ class SlotManager:
         with self._store.transaction():
             self._store.delete_slot(slot.id)
             self._store.add_event("release", f"slot {slot.name!r} released", slot.id)
-        status = self._worker_status.pop(slot.id, None)
-        self._loop.remove(slot.id)
+        status = self._workers.unsupervise(slot.id)
         # Why a worker that is not running is not (a launch that failed wrote nothing of its own).
         said = status is not None and status.phase not in ALIVE_PHASES and status.message
         word = f"worker {status.phase}: {status.message}" if said and status is not None else None
         # Below the state file system's reserve the logs go with the slot: the space matters more.
         keep = self._logs.retention_seconds > 0 and self._store.short() is None
-        self._runtime.discard(
-            slot.id, keep_logs_as=slot.name if keep else None, last_word=word, kind=slot_kind(slot.request)
-        )
+        self._workers.discard(slot, keep_logs=keep, last_word=word)
         self._logs.prune()
         if self._host is not None:
             self._host.slot_released(slot.id)
@@ -656,16 +664,16 @@ class SlotManager:
         agent brings the workers back.
         """
         with self._lock:
-            stopping = [(slot_id, sup) for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            stopping = self._workers.alive()
             for slot_id, supervisor in stopping:
                 supervisor.stop()
-                self._record_status(slot_id, supervisor.tick())
+                self._workers.record_status(slot_id, supervisor.tick())
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 alive = [slot_id for slot_id, sup in stopping if sup.tick().phase in ALIVE_PHASES]
                 for slot_id, supervisor in stopping:
-                    self._record_status(slot_id, supervisor.status())
+                    self._workers.record_status(slot_id, supervisor.status())
             if not alive or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
@@ -676,24 +684,13 @@ class SlotManager:
     def running_worker_slots(self) -> list[str]:
         """The slots whose worker is alive now (starting, running or stopping)."""
         with self._lock:
-            return [slot_id for slot_id, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
+            return [slot_id for slot_id, _ in self._workers.alive()]
 
     def longest_stop_grace(self) -> float:
         """The longest stop grace period of the workers that run now (how long ``stop_workers`` may take)."""
         with self._lock:
-            alive = [sup for _, sup in self._loop.items() if sup.phase in ALIVE_PHASES]
-            graces = [sup.spec.stop_grace_seconds for sup in alive]
+            graces = [sup.spec.stop_grace_seconds for _, sup in self._workers.alive()]
         return max(graces, default=0.0)
-
-    def _stop_and_wait(self, supervisor: Supervisor) -> None:
-        """Graceful stop: drain and pre_stop, the stop signal, the spec's grace period, then the
-        cgroup is killed."""
-        supervisor.stop()
-        spec = supervisor.spec
-        hook = spec.pre_stop.timeout_seconds if spec.pre_stop is not None else 0.0
-        deadline = time.monotonic() + max(spec.drain_seconds, hook) + spec.stop_grace_seconds + 10
-        while supervisor.tick().phase in ALIVE_PHASES and time.monotonic() < deadline:
-            time.sleep(0.01)
 
     # ------------------------------------------------------------------ SlotService: workers
 
@@ -703,62 +700,25 @@ class SlotManager:
             body = spec if spec is not None else slot.request.worker
             if body is None:
                 raise InvalidRequest(f"slot {slot.name!r} has no worker in its request; send a worker spec")
-            resolved = resolve(body, find=self._find_program)
-            self._rlimit_ceilings.check(body.rlimits)
-            check_private_sizes(body, self._host_memory)
-            if self._sandbox is not None:
-                self._sandbox.check(body)
-                self._sandbox.check_arguments(resolved)
-            self._cdi.check(body)
+            self._workers.check(body)
             if slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is {slot.state}; workers start in ready slots")
-            if not kind_of(body).runs_in(slot_kind(slot.request)):
-                raise Conflict(
-                    f"slot {slot.name!r} was allocated without a container worker, so its device cgroup "
-                    "does not admit a container runtime below it; allocate a slot whose request has "
-                    "worker.container"
-                )
+            self._workers.check_runs_in(slot, body)
             self._store.check_space()
-            current = self._loop.get(slot.id)
-            if current is not None and current.phase in ALIVE_PHASES:
-                stored = self._store.get_worker(slot.id)
-                if stored is not None and stored.spec == body:
-                    return self._view(slot)
-                raise Conflict(f"slot {slot.name!r} already runs a worker; stop it first")
-            # Before the launch: a worker the database does not name would be an orphan after a crash.
-            with self._store.transaction():
-                self._ports.reserve(slot.id, body)
-                self._store.put_worker(Worker(slot_id=slot.id, spec=body, desired="running"))
+            if self._workers.running_same(slot, body):
+                return self._view(slot)
+            self._workers.store_wanted(slot, body)
             self._cdi.apply(slot, body)  # the worker's env may override the slot's wiring
-            self._launch_worker(slot, body)
+            self._workers.launch(slot, body)
         self._notify()
         return self.get_slot(slot_id)
-
-    def _launch_worker(self, slot: Slot, spec: WorkerSpec) -> None:
-        supervisor = self._make_supervisor(slot, spec)
-        supervisor.start()
-        self._loop.add(slot.id, supervisor)
-        try:
-            with self._store.transaction(durable=False):
-                self._record_status(slot.id, supervisor.status())
-                message = f"worker of {slot.name!r}: {supervisor.message}"
-                self._store.add_event("worker", message, slot.id)
-        except InsufficientStorage as err:
-            # The worker runs and the service shows its status from memory; the stored copy only
-            # matters after a restart, which derives it again. The operation itself succeeded.
-            log.warning("worker status not stored", extra={"slot": slot.id, "reason": str(err)})
 
     def stop_worker(self, slot_id: str) -> Slot:
         with self._lock:
             slot = self._slot(slot_id)
-            supervisor = self._loop.get(slot.id)
-            if supervisor is None:
+            event = ("worker", f"worker of {slot.name!r}: stop requested")
+            if not self._workers.stop(slot, event, desired_stopped=True):
                 raise NotFound(f"slot {slot.name!r} has no worker to stop")
-            self._store.update_worker(slot.id, desired="stopped")
-            supervisor.stop()
-            self._record_status(slot.id, supervisor.tick())
-            self._loop.schedule(slot.id)
-            self._store.add_event("worker", f"worker of {slot.name!r}: stop requested", slot.id)
         self._notify()
         return self.get_slot(slot_id)
 
@@ -768,15 +728,9 @@ class SlotManager:
         pressure is gone, and an agent restart starts it too. False when no worker is alive."""
         with self._lock:
             slot = self._slot(slot_id)
-            supervisor = self._loop.get(slot.id)
-            if supervisor is None or supervisor.phase not in ALIVE_PHASES:
+            event = ("evict", f"worker of {slot.name!r} evicted by the QoS loop: {reason}")
+            if not self._workers.stop(slot, event, desired_stopped=False):
                 return False
-            supervisor.stop()
-            self._record_status(slot.id, supervisor.tick())
-            self._loop.schedule(slot.id)
-            self._store.add_event(
-                "evict", f"worker of {slot.name!r} evicted by the QoS loop: {reason}", slot.id
-            )
         self._notify()
         return True
 
@@ -785,41 +739,13 @@ class SlotManager:
         operator meanwhile (desired stopped) or is already running."""
         with self._lock:
             slot = self._store.get_slot(slot_id)
-            supervisor = self._loop.get(slot_id)
-            worker = self._store.get_worker(slot_id)
-            if slot is None or supervisor is None or worker is None or worker.desired != "running":
+            if slot is None:
                 return False
-            if supervisor.phase in ALIVE_PHASES:
+            event = ("restore", f"worker of {slot.name!r} restored by the QoS loop: {reason}")
+            if not self._workers.restore(slot, event):
                 return False
-            supervisor.start()
-            self._record_status(slot.id, supervisor.status())
-            self._loop.schedule(slot.id)
-            self._store.add_event(
-                "restore", f"worker of {slot.name!r} restored by the QoS loop: {reason}", slot.id
-            )
         self._notify()
         return True
-
-    def _make_supervisor(self, slot: Slot, spec: WorkerSpec) -> Supervisor:
-        description = slot_description(slot, self._shared_pool())
-        shape = self._pool_shape(slot.pool) if slot.pool is not None and self._pool_shape else None
-        if shape is not None:
-            # A standby starts with the thread counts of the slots its pool hands out.
-            description = dataclasses.replace(description, cpu_quota=shape)
-        ports = self._ports.reserve(slot.id, spec)
-        resolved = resolve(
-            spec,
-            {p.name: p.port for p in ports},
-            find=self._find_program,
-            listen_on=bind_address(own_network=slot.network is not None),
-        )
-        sandbox = None
-        uid = self._identity.reserve(slot.id)  # kept while the slot exists (freed with its row)
-        if self._sandbox is not None and uid is not None:
-            isolated = isolation_spec(slot, self._topology)
-            devices = slot_device_paths(isolated.device_paths, isolated.gpu)
-            sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
-        return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
 
     # ------------------------------------------------------------------ warm pools (agent/pools.py)
 
@@ -829,7 +755,7 @@ class SlotManager:
         """Let agent/pools.py say how standbys give way to allocations (lower ``rank`` first: pool
         priority) and the CPUs each pool's slots get (its standbys' thread counts)."""
         self._pool_rank = rank
-        self._pool_shape = shape
+        self._workers.pool_shape = shape
 
     def standby_slots(self, pool: str | None = None) -> list[Slot]:
         """Standby slots (of ``pool``, or of any), starting or frozen, with their worker's status."""
@@ -843,25 +769,24 @@ class SlotManager:
             slot = self._slot(slot_id)
             if slot.pool is None or slot.state not in (SlotState.READY, SlotState.RUNNING):
                 raise Conflict(f"slot {slot.name!r} is not a starting standby")
-            self._loop.remove(slot.id)
-            self._worker_status.pop(slot.id, None)
+            self._workers.unsupervise(slot.id)
             with self._store.transaction():
                 frozen = self._store.update_slot(dataclasses.replace(slot, state=SlotState.STANDBY))
                 self._store.add_event("pool", f"standby {slot.name!r} ready and frozen", slot.id)
-            self._isolation.freeze(slot.id, slot.qos)
+            self._isolation.backend.freeze(slot.id, slot.qos)
         self._notify()
         return frozen
 
     def standby_kernel_state(self, slot: Slot) -> Frozen:
         """How a standby's cgroup stands (gone, empty, thawed or frozen)."""
-        return self._isolation.frozen(slot.id, slot.qos)
+        return self._isolation.backend.frozen(slot.id, slot.qos)
 
     def refreeze_standby(self, slot_id: str) -> None:
         """Freeze a recorded standby again (an agent killed between its record and its freeze)."""
         with self._lock:
             slot = self._slot(slot_id)
             if slot.state == SlotState.STANDBY:
-                self._isolation.freeze(slot.id, slot.qos)
+                self._isolation.backend.freeze(slot.id, slot.qos)
 
     def preview(self, request: SlotRequest) -> Assignment:
         """Where ``request`` would be placed now (nothing is held)."""
@@ -963,12 +888,11 @@ class SlotManager:
             self._ledger.set(without.add(assignment))
             marks.append(time.perf_counter())
             try:
-                applied = self._isolation.change_class(isolation_spec(slot, self._topology), standby.qos)
-                self._isolation.thaw(slot.id, slot.qos)
+                applied = self._isolation.take(slot, standby.qos)
                 marks.append(time.perf_counter())
                 slot = self._store.update_slot(dataclasses.replace(slot, applied=applied))
-                supervisor = self._make_supervisor(slot, worker)
-                if self._runtime.readopt(slot.id, supervisor) is not Readoption.ADOPTED:
+                supervisor = self._workers.supervisor(slot, worker)
+                if self._workers.readopt(slot.id, supervisor) is not Readoption.ADOPTED:
                     raise WorkerError(
                         f"standby {standby.name!r} of pool {standby.pool!r}: its worker is gone"
                     )
@@ -988,8 +912,7 @@ class SlotManager:
                 self._drop(slot, f"taking it failed: {err}")
                 raise
             marks.append(time.perf_counter())
-            self._loop.add(slot.id, supervisor)
-            self._record_status(slot.id, status)
+            self._workers.supervise(slot.id, supervisor, status)
             marks.append(time.perf_counter())
         self._notify()
         steps = ("placed", "kernel", "adopted", "ready", "recorded")
@@ -1010,32 +933,23 @@ class SlotManager:
 
     def tick(self) -> None:
         """Advance every supervisor once and persist what changed (a full sweep; tests drive this)."""
-        self._loop.tick_all()
-
-    def _record_status(self, slot_id: str, status: WorkerStatus) -> bool:
-        """Persist a worker's new status (and its slot's running/ready state); True when it changed."""
-        previous = self._worker_status.get(slot_id)
-        self._worker_status[slot_id] = status
-        if previous is not None and previous.same_as(status):
-            return False
-        slot = self._store.get_slot(slot_id)
-        if slot is None:
-            return False
-        # A status is derived again after a restart (re-adoption): not worth waiting for the disk.
-        with self._store.transaction(durable=False):
-            self._store.update_worker(slot_id, status=status)
-            wanted = SlotState.RUNNING if status.phase is Phase.RUNNING else SlotState.READY
-            if slot.state in (SlotState.READY, SlotState.RUNNING) and slot.state != wanted:
-                self._store.update_slot(dataclasses.replace(slot, state=wanted))
-        if previous is None or previous.phase is not status.phase:
-            self._store.add_event("worker", f"worker {status.phase}: {status.message}", slot_id)
-        return True
+        self._workers.tick_all()
 
     # ------------------------------------------------------------------ reconcile
 
     def reconcile(self, *, restart_workers: frozenset[str] = frozenset()) -> ReconcileReport:
-        """Bring database and kernel into agreement after a start (agent/reconcile.py)."""
-        return reconcile(self, restart_workers=restart_workers)
+        """Bring database and kernel into agreement after a start (agent/reconcile.py): the API
+        is not ready meanwhile."""
+        with self._lock:
+            self._ready = False
+            report = reconcile(
+                self, self._parts, self._store, self._recovery, restart_workers=restart_workers
+            )
+            self.report = report
+            self._ready = True
+        log.info("reconcile done", extra={"report": report.to_dict()})
+        self._notify()
+        return report
 
     def cdi_spec(self, slot_id: str) -> dict[str, Any]:
         """The slot's CDI spec as written (``nodeagent slots cdi NAME``)."""
@@ -1067,14 +981,7 @@ class SlotManager:
 
     def _view(self, slot: Slot) -> Slot:
         """The slot with its worker's status and its foreign CPU time as of now."""
-        status = self._worker_status.get(slot.id)
-        if status is not None:
-            supervisor = self._loop.get(slot.id)
-            if status.next_restart_in is not None and supervisor is not None:
-                status = supervisor.status()  # the countdown as of now, not as of the last tick
-        else:
-            stored = self._store.get_worker(slot.id)
-            status = None if stored is None else stored.status
+        status = self._workers.status(slot)
         foreign = self._foreign_cpu(slot)
         actions, evicted = self._qos.slot_view(slot.id) if self._qos is not None else ((), False)
         return dataclasses.replace(

@@ -12,6 +12,10 @@ these methods, never the store's tables of the resource.
 - :class:`CdiPart`: the slot's CDI spec (agent/slot_cdi.py), written, removed and reconciled.
 - :class:`LedgerPart`: what the slots hold of the host (placement's ledger), and the host
   partitioning that follows its exclusive CPUs.
+- :class:`IsolationPart`: the slot's kernel objects (cgroups, cpuset, device rules, network)
+  through the isolator, the one writer of a slot's cgroup; what start-up asks of them.
+- The slot's worker is agent/slot_workers.py's :class:`~nodeagent.agent.slot_workers.WorkersPart`.
+  :class:`SlotParts` holds them all, for the manager (the sequencer) and start-up.
 
 Ports and uids go with the slot's row (the store deletes them with it), so releasing needs no
 step here.
@@ -24,21 +28,32 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.agent.sandbox import SandboxPolicy, taken_by_host
 from nodeagent.agent.slot import Slot
 from nodeagent.agent.slot_cdi import SlotCdiSpecs, check_container, try_cdi
 from nodeagent.agent.state import StateStore, ports_from_record
+from nodeagent.agent.translate import isolation_spec
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import Conflict, NodeAgentError, Unsupported
+from nodeagent.isolation.backend import IsolationBackend, OwnedSlot
+from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.partitioning import HostPartitioning
+from nodeagent.isolation.qos import QosClassName
+from nodeagent.isolation.slot_spec import SlotIsolationSpec
 from nodeagent.kernelfs import Procfs
 from nodeagent.placement import Allocated
 from nodeagent.runtime.ports import Endpoint, SlotPort
 from nodeagent.runtime.presets import wanted_ports
+from nodeagent.schema.request import QOS_CLASSES
 from nodeagent.schema.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from nodeagent.agent.slot_workers import WorkersPart
+    from nodeagent.agent.worker_logs import WorkerLogs
 
 log = logging.getLogger("nodeagent.manager")
 
@@ -277,4 +292,119 @@ class LedgerPart:
                 self._partitioned = wanted
 
 
-__all__ = ["CdiPart", "IdentityPart", "LedgerPart", "PortsPart", "process_uid"]
+class IsolationPart:
+    """Each slot's kernel objects (its cgroups, cpuset, memory, device rules and network namespace)
+    through the isolation backend, which is the one writer of a slot's cgroup (the QoS loop's
+    limits go through the same isolator). What isolation builds for a slot is derived from the
+    slot once per change and remembered with its assignment, so the worker's device nodes need no
+    second derivation."""
+
+    def __init__(self, backend: IsolationBackend, topology: Topology) -> None:
+        self._backend = backend
+        self._topology = topology
+        #: slot id -> the spec last built for it, and the assignment it was built from
+        self._specs: dict[str, tuple[object, SlotIsolationSpec]] = {}
+
+    @property
+    def backend(self) -> IsolationBackend:
+        return self._backend
+
+    @property
+    def isolates(self) -> bool:
+        return self._backend.isolates
+
+    def spec(self, slot: Slot) -> SlotIsolationSpec:
+        """What isolation builds for ``slot`` (its assignment's devices resolved to their nodes)."""
+        # What the spec is built from: the assignment, the request (resources, class, worker
+        # kind) and whether the slot is a pool's standby.
+        source = (slot.assignment, slot.request, slot.pool)
+        known = self._specs.get(slot.id)
+        if known is not None and known[0] == source:
+            return known[1]
+        spec = isolation_spec(slot, self._topology)
+        self._specs[slot.id] = (source, spec)
+        return spec
+
+    def apply(self, slot: Slot) -> AppliedSlot | None:
+        """Build (or bring up to date: apply is idempotent) the slot's kernel objects. A slot whose
+        recorded class differs from its request's is a claim on a warm pool that the agent died in:
+        its processes still sit in the standby's cgroup (or were moved but not recorded), so they
+        are moved into the class's cgroup and thawed."""
+        spec = self.spec(slot)
+        before = slot.applied
+        if before is not None and before.qos != spec.qos and before.qos in QOS_CLASSES:
+            applied = self._backend.change_class(spec, before.qos)
+            self._backend.thaw(slot.id, spec.qos)
+            return applied
+        return self._backend.apply(spec)
+
+    def take(self, slot: Slot, from_qos: QosClassName) -> AppliedSlot | None:
+        """A frozen standby made the slot ``slot`` says: moved from its class's cgroup into its
+        own class's and thawed."""
+        applied = self._backend.change_class(self.spec(slot), from_qos)
+        self._backend.thaw(slot.id, slot.qos)
+        return applied
+
+    def release(self, slot_id: str) -> None:
+        """Remove the slot's kernel objects (its processes killed); the remembered spec goes too."""
+        self._backend.release(slot_id)
+        self._specs.pop(slot_id, None)
+
+    def vanished(self, slot: Slot) -> bool:
+        """Whether a ready or running slot's cgroup is gone (removed behind the agent's back)."""
+        if not self.isolates:
+            return False
+        return slot.applied is None or not self._backend.exists(slot.applied)
+
+    def resize_interrupted(self, slot: Slot) -> bool:
+        """Whether the stored kernel state is older than the stored assignment: an exclusive slot's
+        CPUs (or an online slot's memory limit) differ between the two. A resize commits the new
+        assignment before it changes the kernel, so an agent killed in between leaves this."""
+        applied, assignment = slot.applied, slot.assignment
+        if not self.isolates or applied is None or assignment is None:
+            return False
+        if assignment.exclusive and applied.cpus != frozenset(assignment.cpus):
+            return True
+        # Guaranteed and burstable slots are limited at their assignment (best-effort at a multiple).
+        online = slot.request.qos != "best-effort"
+        return online and applied.memory_max is not None and applied.memory_max != assignment.memory_bytes
+
+    def owned(self) -> list[OwnedSlot]:
+        """The slots the kernel holds under the agent's prefixes, with their processes."""
+        return self._backend.owned_slots()
+
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
+        """Remove kernel objects of slots other than ``keep``; their slot ids."""
+        for gone in set(self._specs) - set(keep):
+            del self._specs[gone]
+        return self._backend.remove_orphans(keep)
+
+    def prepare(self) -> None:
+        """Set up the shared parents (class cgroups, the firewall table) before slots are applied."""
+        self._backend.prepare()
+
+
+@dataclass(frozen=True)
+class SlotParts:
+    """The parts of a slot, in the order the sequencer builds them (and the reverse order it
+    takes them down): what the slots hold, their kernel objects, ports, uid, CDI spec, worker, and
+    the worker's output."""
+
+    ledger: LedgerPart
+    isolation: IsolationPart
+    ports: PortsPart
+    identity: IdentityPart
+    cdi: CdiPart
+    workers: WorkersPart
+    logs: WorkerLogs
+
+
+__all__ = [
+    "CdiPart",
+    "IdentityPart",
+    "IsolationPart",
+    "LedgerPart",
+    "PortsPart",
+    "SlotParts",
+    "process_uid",
+]

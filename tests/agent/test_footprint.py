@@ -27,7 +27,7 @@ manager = build_manager(config)
 manager.start()
 loaded = sorted({m.split(".")[0] for m in sys.modules})
 manager.close()
-manager._isolation.isolator.remove_all()
+manager.isolation.isolator.remove_all()  # type: ignore[attr-defined]
 print(json.dumps(loaded))
 """
 

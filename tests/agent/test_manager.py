@@ -596,7 +596,7 @@ def test_a_resize_cut_short_by_a_crash_is_finished_at_start(make: Any, world: Wo
     def die(spec: SlotIsolationSpec) -> AppliedSlot:
         raise Crash
 
-    first._isolation.apply = die  # type: ignore[method-assign]
+    first.isolation.apply = die  # type: ignore[method-assign]
     with pytest.raises(Crash):  # the new assignment is committed, the kernel not yet changed
         first.resize(slot.id, ResourcesPatch.model_validate({"cpus": 4}))
     first.close()
