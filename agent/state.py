@@ -43,7 +43,7 @@ from nodeagent.placement import Assignment
 from nodeagent.runtime.ports import PortWant, SlotPort
 from nodeagent.runtime.supervisor import WorkerStatus
 from nodeagent.schema.request import parse_slot_request, request_to_dict
-from nodeagent.schema.worker import PortProtocol, parse_worker_spec
+from nodeagent.schema.worker import PortProtocol, WorkerSpec, parse_worker_spec
 
 log = logging.getLogger("nodeagent.state")
 
@@ -281,6 +281,10 @@ class StateStore:
         #: ROLLBACK (a read inside the transaction may have seen its writes).
         self._uids_cache: dict[str, int] | None = None
         self._ports_cache: dict[str, tuple[SlotPort, ...]] | None = None
+        #: Each slot's worker spec as last written or read, with its stored JSON: a row read back
+        #: with the same JSON reuses the parsed spec (specs are frozen) instead of validating it
+        #: again. The row itself is still read, so the database stays the word.
+        self._worker_specs: dict[str, tuple[str, WorkerSpec]] = {}
         try:
             if ballast is not None:
                 ballast.spare_room()  # opening recreates the WAL and shared-memory files
@@ -541,6 +545,7 @@ class StateStore:
             )
             self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
             self._staged[slot_id] = None
+            self._worker_specs.pop(slot_id, None)
         if self.manifests is not None:
             if uid is not None:
                 self.manifests.note_released(uid, now)
@@ -582,7 +587,9 @@ class StateStore:
 
     def put_worker(self, worker: Worker) -> Worker:
         stored = dataclasses.replace(worker, updated_at=self._clock())
-        self._write(_WORKER_UPSERT, _worker_row(stored))
+        row = _worker_row(stored)
+        self._write(_WORKER_UPSERT, row)
+        self._worker_specs[worker.slot_id] = (row[_WORKER_COLUMNS.index("spec")], worker.spec)
         slot = self.get_slot(worker.slot_id)
         if slot is not None:
             self._keep_manifest(slot, stored)
@@ -606,14 +613,25 @@ class StateStore:
 
     def delete_worker(self, slot_id: str) -> None:
         self._write("DELETE FROM workers WHERE slot_id = ?", (slot_id,))
+        self._worker_specs.pop(slot_id, None)
 
     def get_worker(self, slot_id: str) -> Worker | None:
         rows = self._read(_WORKER_SELECT + " WHERE slot_id = ?", (slot_id,))
-        return _worker_from_row(rows[0]) if rows else None
+        return _worker_from_row(rows[0], self._spec_of) if rows else None
 
     def list_workers(self) -> list[Worker]:
         rows = self._read(_WORKER_SELECT + " ORDER BY slot_id")
-        return [_worker_from_row(r) for r in rows]
+        return [_worker_from_row(r, self._spec_of) for r in rows]
+
+    def _spec_of(self, slot_id: str, text: str) -> WorkerSpec:
+        """The worker spec stored as ``text`` for the slot, parsed once per change."""
+        with self._lock:
+            known = self._worker_specs.get(slot_id)
+            if known is not None and known[0] == text:
+                return known[1]
+            spec = parse_worker_spec(_load(text))
+            self._worker_specs[slot_id] = (text, spec)
+            return spec
 
     # --- sandbox uids ---------------------------------------------------------------------------
 
@@ -955,13 +973,13 @@ def worker_from_record(slot_id: str, values: Mapping[str, Any]) -> Worker:
     )
 
 
-def _worker_from_row(row: tuple[Any, ...]) -> Worker:
+def _worker_from_row(row: tuple[Any, ...], spec_of: Callable[[str, str], WorkerSpec]) -> Worker:
     values = dict(zip(_WORKER_COLUMNS, row, strict=True))
     status = _load(values["status"])
     desired = values["desired"]
     return Worker(
         slot_id=values["slot_id"],
-        spec=parse_worker_spec(_load(values["spec"])),
+        spec=spec_of(values["slot_id"], values["spec"]),
         desired="stopped" if desired == "stopped" else "running",
         status=None if status is None else WorkerStatus.from_json(status),
         updated_at=values["updated_at"],

@@ -14,7 +14,7 @@ from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest
 from nodeagent.isolation.backend import OwnedSlot
 from nodeagent.isolation.devices import assigned_device_nodes
-from nodeagent.isolation.slot_spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import AllowedHostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.worker_kind import slot_kind
@@ -48,7 +48,7 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
         else SlotNetworkSpec(
             res.network.bandwidth_mbit,
             res.network.egress,
-            tuple(HostPort(p.port, p.protocol) for p in res.network.host_ports),
+            tuple(AllowedHostPort(p.port, p.protocol) for p in res.network.host_ports),
         ),
         l3=res.l3_share,
         # Fixed at allocate (runtime/worker_kind.py): every resize and start gives the same answer.

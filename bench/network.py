@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from nodeagent.isolation.firewall import NftFirewall
 from nodeagent.isolation.network import (
-    HostPort,
+    AllowedHostPort,
     NetworkBackend,
     Pyroute2Backend,
     SlotAccess,
@@ -33,7 +33,7 @@ from nodeagent.isolation.network_ipbatch import IpBatchBackend
 VARIANTS: dict[str, SlotAccess | None] = {
     "no firewall": None,
     "firewall, deny": SlotAccess(),
-    "firewall, 2 ports + nat": SlotAccess("nat", (HostPort(9000), HostPort(53, "udp"))),
+    "firewall, 2 ports + nat": SlotAccess("nat", (AllowedHostPort(9000), AllowedHostPort(53, "udp"))),
 }
 
 
@@ -97,7 +97,7 @@ def _row(label: str, variant: str, setup_ms: list[float], teardown_ms: list[floa
 
 def fill(firewall: NftFirewall, config: SlotNetworkConfig, others: int) -> None:
     """Opt-ins of ``others`` slots that have no veth (the table's size is what matters here)."""
-    access = SlotAccess(host_ports=(HostPort(9000), HostPort(53, "udp")))
+    access = SlotAccess(host_ports=(AllowedHostPort(9000), AllowedHostPort(53, "udp")))
     for index in range(others):
         plan = plan_slot_network(config, f"other{index}", 64 + index, access=access, filtered=True)
         firewall.apply(plan)

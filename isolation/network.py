@@ -145,7 +145,7 @@ TRANSPORTS: tuple[Transport, ...] = ("tcp", "udp")
 
 
 @dataclass(frozen=True, order=True)
-class HostPort:
+class AllowedHostPort:
     """A port on the host that a slot may connect to, at any of the host's IPv4 addresses."""
 
     port: int
@@ -174,7 +174,7 @@ class SlotAccess:
     """
 
     egress: Egress = "none"
-    host_ports: tuple[HostPort, ...] = ()
+    host_ports: tuple[AllowedHostPort, ...] = ()
 
     def __post_init__(self) -> None:
         if self.egress not in EGRESS_MODES:
@@ -200,7 +200,7 @@ class SlotAccess:
         return cls(
             egress=data.get("egress", "none"),
             host_ports=tuple(
-                HostPort(p["port"], p.get("protocol", "tcp")) for p in data.get("host_ports", ())
+                AllowedHostPort(p["port"], p.get("protocol", "tcp")) for p in data.get("host_ports", ())
             ),
         )
 

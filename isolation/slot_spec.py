@@ -15,8 +15,8 @@ from nodeagent.cgroups import DEFAULT_PARENT, DeviceRule, Hierarchy
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.devices import GPU_CONTROL_NODES, SAFE_DEVICES
 from nodeagent.isolation.network import (
+    AllowedHostPort,
     Egress,
-    HostPort,
     SlotAccess,
     SlotNetworkConfig,
     validate_slot_id,
@@ -35,7 +35,7 @@ class SlotNetworkSpec:
 
     bandwidth_mbit: float | None = None
     egress: Egress = "none"
-    host_ports: tuple[HostPort, ...] = ()
+    host_ports: tuple[AllowedHostPort, ...] = ()
 
     def __post_init__(self) -> None:
         if self.bandwidth_mbit is not None and not self.bandwidth_mbit > 0:
@@ -173,8 +173,8 @@ class IsolatorConfig:
 
 
 __all__ = [
+    "AllowedHostPort",
     "Egress",
-    "HostPort",
     "IsolatorConfig",
     "SlotAccess",
     "SlotIsolationSpec",

@@ -23,7 +23,7 @@ from nodeagent.errors import CgroupError, Conflict, InvalidRequest, NotFound, Pl
 from nodeagent.isolation.backend import NoIsolation, OwnedSlot
 from nodeagent.isolation.isolator import AppliedSlot
 from nodeagent.isolation.network import SlotNetwork
-from nodeagent.isolation.slot_spec import HostPort, SlotIsolationSpec, SlotNetworkSpec
+from nodeagent.isolation.slot_spec import AllowedHostPort, SlotIsolationSpec, SlotNetworkSpec
 from nodeagent.placement import Allocated, Assignment
 from nodeagent.runtime.env import SlotDescription
 from nodeagent.runtime.launch_request import LaunchRequest
@@ -520,7 +520,7 @@ def test_network_access_of_the_request_reaches_isolation(make: Any, world: World
     request = {"name": "web", "qos": "burstable", "resources": {"cpus": 1, "network": network}}
     slot = manager.allocate(parse_slot_request(request)).slot
     spec = kernel.specs[slot.id].network
-    assert spec == SlotNetworkSpec(None, "nat", (HostPort(53, "udp"), HostPort(9100, "tcp")))
+    assert spec == SlotNetworkSpec(None, "nat", (AllowedHostPort(53, "udp"), AllowedHostPort(9100, "tcp")))
     plain = manager.allocate(parse_slot_request({**request, "name": "quiet", "resources": {"network": {}}}))
     assert kernel.specs[plain.slot.id].network == SlotNetworkSpec()
 
@@ -914,3 +914,51 @@ def test_empty_leftovers_of_a_crash_are_removed_without_asking(
     world.cgroups["sempty"] = {"cgroup": "test.slice/sempty", "cpus": []}
     manager = make()
     assert manager.report.orphans_removed == ["cgroup sempty"]
+
+
+class _CountingValidator:
+    """A model's validator that counts its calls (the house: a request is validated once, at the edge)."""
+
+    def __init__(self, inner: Any, calls: list[str], name: str) -> None:
+        self._inner, self._calls, self._name = inner, calls, name
+
+    def __getattr__(self, attr: str) -> Any:
+        found = getattr(self._inner, attr)
+        if not attr.startswith("validate"):
+            return found
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append(self._name)
+            return found(*args, **kwargs)
+
+        return counted
+
+
+def test_an_allocate_validates_nothing_again_and_derives_isolation_once(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the edge parsed the request, an allocate with a worker (and a restart of its worker)
+    neither validates the request or worker spec again (rows read back reuse the parsed spec) nor
+    derives what isolation builds more than once."""
+    import nodeagent.agent.parts as parts_module
+    from nodeagent.schema.request import SlotRequest
+
+    manager = make()
+    request = parse_slot_request({**guaranteed(), "worker": {"command": ["/bin/sleep", "100"]}})
+    calls: list[str] = []
+    for model in (SlotRequest, WorkerSpec):
+        counting = _CountingValidator(model.__pydantic_validator__, calls, model.__name__)
+        monkeypatch.setattr(model, "__pydantic_validator__", counting)
+    derived = parts_module.isolation_spec
+
+    def derive(*args: Any) -> Any:
+        calls.append("isolation_spec")
+        return derived(*args)
+
+    monkeypatch.setattr(parts_module, "isolation_spec", derive)
+    slot = manager.allocate(request).slot
+    assert calls == ["isolation_spec"]
+    calls.clear()
+    manager.stop_worker(slot.id)
+    manager.start_worker(slot.id, None)
+    assert calls == []

@@ -41,7 +41,7 @@ from nodeagent.isolation.firewall import (
     slot_elements,
 )
 from nodeagent.isolation.network import (
-    HostPort,
+    AllowedHostPort,
     NetworkBackend,
     Pyroute2Backend,
     SlotAccess,
@@ -55,15 +55,15 @@ from tests.isolation.netns import HostListener, base36, connect_from, listen_in,
 
 CONFIG = SlotNetworkConfig(cidr="10.231.0.0/16", veth_prefix="nah", nft_table="nodeagent")
 NAT = SlotAccess("nat")
-PORTS = SlotAccess(host_ports=(HostPort(9000), HostPort(53, "udp")))
+PORTS = SlotAccess(host_ports=(AllowedHostPort(9000), AllowedHostPort(53, "udp")))
 
 
 # =========================================================================== plain data: requests
 
 
 def test_access_is_sorted_so_equal_requests_compare_equal() -> None:
-    one = SlotAccess("nat", (HostPort(9000), HostPort(53, "udp"), HostPort(53)))
-    other = SlotAccess("nat", (HostPort(53), HostPort(53, "udp"), HostPort(9000)))
+    one = SlotAccess("nat", (AllowedHostPort(9000), AllowedHostPort(53, "udp"), AllowedHostPort(53)))
+    other = SlotAccess("nat", (AllowedHostPort(53), AllowedHostPort(53, "udp"), AllowedHostPort(9000)))
     assert one == other
     assert [str(p) for p in one.host_ports] == ["53/tcp", "53/udp", "9000/tcp"]
     assert SlotAccess.from_json(one.to_json()) == one
@@ -72,18 +72,18 @@ def test_access_is_sorted_so_equal_requests_compare_equal() -> None:
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        pytest.param(lambda: HostPort(0), "not a port number from 1 to 65535", id="port-zero"),
-        pytest.param(lambda: HostPort(65536), "not a port number", id="port-too-big"),
-        pytest.param(lambda: HostPort(True), "not a port number", id="port-bool"),  # type: ignore[arg-type]
-        pytest.param(lambda: HostPort(80, "icmp"), "'icmp' is not one of tcp, udp", id="protocol"),  # type: ignore[arg-type]
+        pytest.param(lambda: AllowedHostPort(0), "not a port number from 1 to 65535", id="port-zero"),
+        pytest.param(lambda: AllowedHostPort(65536), "not a port number", id="port-too-big"),
+        pytest.param(lambda: AllowedHostPort(True), "not a port number", id="port-bool"),  # type: ignore[arg-type]
+        pytest.param(lambda: AllowedHostPort(80, "icmp"), "'icmp' is not one of tcp, udp", id="protocol"),  # type: ignore[arg-type]
         pytest.param(lambda: SlotAccess("open"), "egress 'open' is not one of none, nat", id="egress"),  # type: ignore[arg-type]
         pytest.param(
-            lambda: SlotAccess(host_ports=(HostPort(80), HostPort(80, "tcp"))),
+            lambda: SlotAccess(host_ports=(AllowedHostPort(80), AllowedHostPort(80, "tcp"))),
             "lists 80/tcp more than once",
             id="duplicate-port",
         ),
         pytest.param(
-            lambda: SlotNetworkSpec(host_ports=(HostPort(9000), HostPort(9000))),
+            lambda: SlotNetworkSpec(host_ports=(AllowedHostPort(9000), AllowedHostPort(9000))),
             "lists 9000/tcp more than once",
             id="spec-duplicate-port",
         ),
@@ -352,7 +352,9 @@ def _elements(commands: list[dict[str, Any]], verb: str) -> set[tuple[str, tuple
 
 
 def test_a_current_table_gets_only_the_slots_difference(tmp_path: Path) -> None:
-    plan = plan_slot_network(CONFIG, "a", 0, access=SlotAccess(host_ports=(HostPort(9001),)), filtered=True)
+    plan = plan_slot_network(
+        CONFIG, "a", 0, access=SlotAccess(host_ports=(AllowedHostPort(9001),)), filtered=True
+    )
     ifname, address = plan.host_ifname, str(plan.slot_address)
     nft = FakeNft(
         _listing(host_ports=[{"concat": [ifname, "tcp", 9000]}, {"concat": ["nahother", "tcp", 9000]}])
@@ -706,7 +708,7 @@ def test_ipv6_link_local_reaches_nothing_on_the_host(kit: Kit) -> None:
     server = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
     try:
         port = server.getsockname()[1]
-        a = kit.backend.setup("six", 0, access=SlotAccess(host_ports=(HostPort(port),)))
+        a = kit.backend.setup("six", 0, access=SlotAccess(host_ports=(AllowedHostPort(port),)))
         address = _link_local(a.host_ifname)
         assert _connect6_from(a, address, port, timeout=0.7).startswith("failed")
         assert connect_from(a, a.host_address, port) == "connected"  # the same port over IPv4
@@ -750,7 +752,7 @@ def test_slot_to_slot_is_dropped_even_when_the_host_forwards(
 @pytest.mark.root
 def test_allowed_host_ports_and_nothing_else(kit: Kit) -> None:
     with HostListener() as tcp, HostListener(kind=socket.SOCK_DGRAM) as udp, HostListener() as other:
-        access = SlotAccess(host_ports=(HostPort(tcp.port), HostPort(udp.port, "udp")))
+        access = SlotAccess(host_ports=(AllowedHostPort(tcp.port), AllowedHostPort(udp.port, "udp")))
         a = kit.backend.setup("a", 0, access=access)
         b = kit.backend.setup("b", 1)
         assert connect_from(a, a.host_address, tcp.port) == "connected"
@@ -829,7 +831,7 @@ def test_egress_nat_reaches_beyond_the_host_and_no_other_slot(
 
 @pytest.mark.root
 def test_teardown_leaves_no_element(each_kit: Kit) -> None:
-    both = SlotAccess("nat", (HostPort(9000), HostPort(53, "udp")))
+    both = SlotAccess("nat", (AllowedHostPort(9000), AllowedHostPort(53, "udp")))
     kept = each_kit.backend.setup("kept", 0, access=PORTS)
     gone = each_kit.backend.setup("gone", 1, access=both)
     assert each_kit.firewall.list_owned() == tuple(sorted((kept.host_ifname, gone.host_ifname)))
@@ -850,14 +852,14 @@ def test_failed_setup_leaves_no_firewall_state(backend_type: Callable[..., Netwo
         broken = replace(kit.config, slot_ifname="lo")
         backend = backend_type(broken, kit.firewall)
         with pytest.raises(NetworkError, match="exists"):
-            backend.setup("broken", 0, access=SlotAccess("nat", (HostPort(9000),)))
+            backend.setup("broken", 0, access=SlotAccess("nat", (AllowedHostPort(9000),)))
         assert kit.firewall.list_owned() == ()
         assert kit.firewall.holder not in IpForwarding().holders()
 
 
 @pytest.mark.root
 def test_orphans_after_a_crash_are_found_and_removed(kit: Kit) -> None:
-    a = kit.backend.setup("a", 0, access=SlotAccess("nat", (HostPort(9000),)))
+    a = kit.backend.setup("a", 0, access=SlotAccess("nat", (AllowedHostPort(9000),)))
     b = kit.backend.setup("b", 1, access=PORTS)
     # A new agent process: nothing remembered, everything read back from the kernel.
     firewall = NftFirewall(kit.config)

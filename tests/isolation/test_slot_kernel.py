@@ -23,7 +23,7 @@ from nodeagent.isolation.backend import KernelIsolation
 from nodeagent.isolation.firewall import NftFirewall, SlotElements
 from nodeagent.isolation.isolator import AppliedSlot, SlotIsolator, slot_resources
 from nodeagent.isolation.network import (
-    HostPort,
+    AllowedHostPort,
     SlotAccess,
     SlotNetwork,
     SlotNetworkConfig,
@@ -499,13 +499,15 @@ def _opt_ins(isolator: SlotIsolator) -> SlotElements:
 
 @pytest.mark.root
 def test_network_access_follows_the_spec_through_apply_resize_and_release(isolator: SlotIsolator) -> None:
-    ports = (HostPort(9000), HostPort(53, "udp"))
+    ports = (AllowedHostPort(9000), AllowedHostPort(53, "udp"))
     slot = isolator.apply(burstable(network=SlotNetworkSpec(host_ports=ports)))
     assert slot.network is not None
     assert (slot.network.filtered, slot.network.access) == (True, SlotAccess(host_ports=ports))
     veth = slot.network.host_ifname
     assert _opt_ins(isolator).host_ports == {(veth, "tcp", 9000), (veth, "udp", 53)}
-    resized = isolator.resize(burstable(network=SlotNetworkSpec(egress="nat", host_ports=(HostPort(9001),))))
+    resized = isolator.resize(
+        burstable(network=SlotNetworkSpec(egress="nat", host_ports=(AllowedHostPort(9001),)))
+    )
     assert resized.network is not None
     assert resized.network.subnet == slot.network.subnet  # same netns: only the opt-ins changed
     elements = _opt_ins(isolator)
@@ -517,8 +519,8 @@ def test_network_access_follows_the_spec_through_apply_resize_and_release(isolat
 
 @pytest.mark.root
 def test_firewall_opt_ins_of_a_crashed_agent_are_orphans(isolator: SlotIsolator) -> None:
-    isolator.apply(burstable("gone", network=SlotNetworkSpec(host_ports=(HostPort(9000),))))
-    isolator.apply(burstable("kept", network=SlotNetworkSpec(host_ports=(HostPort(9000),))))
+    isolator.apply(burstable("gone", network=SlotNetworkSpec(host_ports=(AllowedHostPort(9000),))))
+    isolator.apply(burstable("kept", network=SlotNetworkSpec(host_ports=(AllowedHostPort(9000),))))
     # A new isolator (a restarted agent) knows only what the kernel tells it.
     restarted = SlotIsolator(isolator.host, isolator.config, resctrl=isolator.resctrl)
     removed = restarted.remove_orphans({"kept"})
