@@ -276,9 +276,10 @@ class StateStore:
         self._slots: dict[str, Slot] = {}
         self._staged: dict[str, Slot | None] = {}
         #: Every slot's sandbox uid and named ports, each table read whole on first use: listing
-        #: 500 slots asked SQLite twice per slot, most of GET /v1/slots' time (issue 23). Dropped
-        #: by every write (any write may touch them, an ON DELETE CASCADE included) and by a
-        #: ROLLBACK (a read inside the transaction may have seen its writes).
+        #: 500 slots asked SQLite twice per slot, most of GET /v1/slots' time (issue 23). Kept
+        #: write-through by the methods that write those tables (the slot's deletion, whose ON
+        #: DELETE CASCADE removes its rows, included), so an operation never reads them back;
+        #: dropped by a ROLLBACK (the transaction's own writes reached them already).
         self._uids_cache: dict[str, int] | None = None
         self._ports_cache: dict[str, tuple[SlotPort, ...]] | None = None
         #: Each slot's worker spec as last written or read, with its stored JSON: a row read back
@@ -393,7 +394,6 @@ class StateStore:
 
     def _write(self, sql: str, params: tuple[Any, ...] | dict[str, Any]) -> sqlite3.Cursor:
         with self.transaction():
-            self._drop_read_caches()
             try:
                 return self._db.execute(sql, params)
             except sqlite3.IntegrityError as err:
@@ -546,6 +546,11 @@ class StateStore:
             self._write("DELETE FROM slots WHERE id = ?", (slot_id,))
             self._staged[slot_id] = None
             self._worker_specs.pop(slot_id, None)
+            # Its uid and ports went with the row (ON DELETE CASCADE).
+            if self._uids_cache is not None:
+                self._uids_cache.pop(slot_id, None)
+            if self._ports_cache is not None:
+                self._ports_cache.pop(slot_id, None)
         if self.manifests is not None:
             if uid is not None:
                 self.manifests.note_released(uid, now)
@@ -648,13 +653,10 @@ class StateStore:
         own users) does not refuse, recorded now. A slot keeps it until its row is deleted.
         StateError when the range is used up."""
         with self.transaction():
-            rows = self._read("SELECT uid FROM sandbox_ids WHERE slot_id = ?", (slot_id,))
-            if rows:
-                return int(rows[0][0])
-            held = {
-                int(r[0])
-                for r in self._read("SELECT uid FROM sandbox_ids WHERE uid BETWEEN ? AND ?", (first, last))
-            }
+            uids = self._uids()
+            if slot_id in uids:
+                return uids[slot_id]
+            held = {uid for uid in uids.values() if first <= uid <= last}
             resting = {
                 int(r[0])
                 for r in self._read(
@@ -673,6 +675,7 @@ class StateStore:
                     "widen the range or shorten the quarantine"
                 )
             self._write("INSERT INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
+            uids[slot_id] = uid
             self._keep_uid_in_manifest(slot_id)
             return uid
 
@@ -704,6 +707,7 @@ class StateStore:
                 raise Conflict(f"uid {uid} is held by slot {rows[0][0]}")
             self._write("INSERT OR REPLACE INTO sandbox_ids (slot_id, uid) VALUES (?, ?)", (slot_id, uid))
             self._write("DELETE FROM released_uids WHERE uid = ?", (uid,))
+            self._uids()[slot_id] = uid
             self._keep_uid_in_manifest(slot_id)
 
     def _keep_uid_in_manifest(self, slot_id: str) -> None:
@@ -712,10 +716,14 @@ class StateStore:
             self._keep_manifest(slot)
 
     def get_sandbox_uid(self, slot_id: str) -> int | None:
+        return self._uids().get(slot_id)
+
+    def _uids(self) -> dict[str, int]:
+        """Every slot's uid, kept write-through (read from the table once, on first use)."""
         with self._lock:
             if self._uids_cache is None:
                 self._uids_cache = self.sandbox_uids()
-            return self._uids_cache.get(slot_id)
+            return self._uids_cache
 
     def sandbox_uids(self) -> dict[str, int]:
         """Every slot's uid (slot id -> uid)."""
@@ -739,13 +747,12 @@ class StateStore:
         """
         with self.transaction():
             held = {p.name: p for p in self.slot_ports(slot_id)}
+            slots = self._visible()
             others = {
-                int(r[0]): (str(r[1]), str(r[2]))
-                for r in self._read(
-                    "SELECT p.port, s.name, p.name FROM slot_ports p JOIN slots s ON s.id = p.slot_id "
-                    "WHERE p.slot_id != ?",
-                    (slot_id,),
-                )
+                port.port: (slots[holder].name if holder in slots else holder, port.name)
+                for holder, ports in self._ports().items()
+                if holder != slot_id
+                for port in ports
             }
             keep = {
                 name: dataclasses.replace(mine, protocol=wanted[name].protocol)
@@ -799,17 +806,27 @@ class StateStore:
     def _put_ports(self, slot_id: str, ports: Iterable[SlotPort]) -> None:
         with self.transaction():
             self._write("DELETE FROM slot_ports WHERE slot_id = ?", (slot_id,))
-            for p in ports:
+            kept = tuple(sorted(ports, key=lambda p: p.name))
+            for p in kept:
                 self._write(
                     "INSERT INTO slot_ports (slot_id, name, protocol, port) VALUES (?, ?, ?, ?)",
                     (slot_id, p.name, p.protocol, p.port),
                 )
+            held = self._ports()
+            if kept:
+                held[slot_id] = kept
+            else:
+                held.pop(slot_id, None)
             slot = self.get_slot(slot_id)
             if slot is not None:
                 self._keep_manifest(slot)
 
     def slot_ports(self, slot_id: str) -> list[SlotPort]:
         """The slot's named ports, by name."""
+        return list(self._ports().get(slot_id, ()))
+
+    def _ports(self) -> dict[str, tuple[SlotPort, ...]]:
+        """Every slot's named ports, by name, kept write-through (read once, on first use)."""
         with self._lock:
             if self._ports_cache is None:
                 ports: dict[str, list[SlotPort]] = {}
@@ -818,7 +835,7 @@ class StateStore:
                 for r in rows:
                     ports.setdefault(str(r[0]), []).append(SlotPort(str(r[1]), _protocol(r[2]), int(r[3])))
                 self._ports_cache = {slot_id: tuple(held) for slot_id, held in ports.items()}
-            return list(self._ports_cache.get(slot_id, ()))
+            return self._ports_cache
 
     # --- events -------------------------------------------------------------------------------
 

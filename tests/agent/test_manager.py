@@ -962,3 +962,29 @@ def test_an_allocate_validates_nothing_again_and_derives_isolation_once(
     manager.stop_worker(slot.id)
     manager.start_worker(slot.id, None)
     assert calls == []
+
+
+def test_an_allocate_reads_no_uid_or_port_table_back(make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slots' uids and ports are kept write-through: once read, an allocate, a worker's restart
+    and a release write them without reading either table again (at 500 slots each read was the
+    whole table)."""
+    manager = make()
+    worker = {"command": ["/bin/sleep", "100"], "ports": {"http": {}}}
+    manager.allocate(parse_slot_request({**guaranteed("first", cpus=1), "worker": worker}))
+    store = manager.store
+    reads: list[str] = []
+    real_read = store._read
+
+    def read(sql: str, *args: Any) -> Any:
+        reads.append(sql)
+        return real_read(sql, *args)
+
+    monkeypatch.setattr(store, "_read", read)
+    slot = manager.allocate(parse_slot_request({**guaranteed("second", cpus=1), "worker": worker})).slot
+    manager.stop_worker(slot.id)
+    manager.start_worker(slot.id, None)
+    manager.release(slot.id)
+    assert not [sql for sql in reads if "sandbox_ids" in sql or "slot_ports" in sql]
+    (first,) = manager.list_slots()
+    assert [e.port for e in first.endpoints] == [p.port for p in store.slot_ports(first.id)]
+    assert store.slot_ports(slot.id) == []
