@@ -6,7 +6,10 @@ files limit). When the request arrives it enters the slot, builds the worker's s
 the running worker's, for an exec probe) and execs (:func:`enter_slot_and_exec`).
 
 Order matters. Cgroups are joined first, so the child is accounted and confined before anything
-else happens, and long before the worker's first instruction. The network namespace, rlimits and
+the request asks for happens, and long before the worker's first instruction (a child armed to
+prepare the default sandbox has built its request-independent part before, in the keeper's
+cgroups: sandbox.Prepared; it then reaches the request's cgroup and netns files through the
+host's root, since its own view shows the cgroupfs read-only). The network namespace, rlimits and
 the memory policy need privileges, so they come before uid/gid are dropped. The sandbox's
 namespaces and mounts (runtime/sandbox) come after the cgroups are joined (a cgroup namespace is
 rooted where the child is when it unshares) and before the identity switch (they need root); its

@@ -9,11 +9,13 @@ collector, and holds a few descriptors and a small object per worker: no per-wor
 What it does:
 
 - **Launch, one hop, no Python between fork and exec on the hot path.** For a connected agent it
-  forks worker children ahead of time (``arm``) and hands the agent each idle child's request and
-  status pipes (SCM_RIGHTS, see keeper_protocol.py). A launch is then the agent writing the request
-  to the child, which joins the slot's cgroups, enters its netns, sets affinity, memory policy and
-  rlimits, drops privileges, sets no_new_privs, hands the request to the keeper on a pipe and
-  execs (enter.py); the agent reads the status pipe until EOF. The keeper reads the handed-over
+  forks worker children ahead of time (``arm``; with ``prepare_sandbox`` the child also builds the
+  default sandbox's request-independent part while it waits: sandbox.prepare_sandbox) and hands
+  the agent each idle child's request and status pipes (SCM_RIGHTS, see keeper_protocol.py). A
+  launch is then the agent writing the request to the child, which joins the slot's cgroups,
+  enters its netns, sets affinity, memory policy and rlimits, builds the rest of the sandbox,
+  drops privileges, seals the sandbox, hands the request to the keeper on a pipe and execs
+  (enter.py); the agent reads the status pipe until EOF. The keeper reads the handed-over
   request only once the agent closes the child's done pipe, so it takes no CPU mid-launch.
 - **Parent and subreaper.** Workers are its children; with ``PR_SET_CHILD_SUBREAPER`` whatever
   their trees orphan is reparented to it and reaped.

@@ -33,6 +33,13 @@ before it execs the worker, in two calls around the identity switch:
                                                              after it but exec should run
     exec (through the init when there is a pid namespace: pidns.init_argv)
 
+Most of it does not depend on the request: an idle child armed for it runs :func:`prepare_sandbox`
+while it waits (steps 1, 4, 5, 7 without the slot's devices and /dev/shm, 10, and no_new_privs
+and the Landlock scope of 12), and the request then runs :meth:`Prepared.catch_up` (step 3 and a
+check that the view is the host's as of now) and :func:`enter_prepared_sandbox` (the rest of
+2-9b) instead of :func:`enter_sandbox`; only a spec that :func:`fits_prepared` takes such a child.
+See :class:`Prepared` and docs/sandbox.md for why that keeps every property.
+
 A pid namespace is not made here: the child must already be PID 1 of one, which is what
 :func:`~nodeagent.runtime.sandbox.pidns.fork_into_new_pid_namespace` gives the keeper; see pidns
 for why a non-root worker needs none.
