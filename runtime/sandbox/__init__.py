@@ -54,10 +54,13 @@ import errno
 import functools
 import os
 import select
+import sys
+import types
 from pathlib import Path
 
 from nodeagent.errors import NodeAgentError
 from nodeagent.runtime.sandbox import caps, landlock, mounts, seccomp
+from nodeagent.runtime.sandbox import spec as spec_module
 from nodeagent.runtime.sandbox._sys import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
@@ -449,7 +452,30 @@ def prepare_sandbox() -> Prepared | None:
         landlock.scope_abstract_unix_sockets()
     except OSError:
         os._exit(127)  # half-sealed, it can serve no request; the launch that takes it says so
+    _fault_in_the_request_steps()
     return prepared
+
+
+def _fault_in_the_request_steps() -> None:
+    """Touch the functions and classes the request's sandbox steps run (their code and the
+    constants it loads), so the copy-on-write faults on the keeper's pages that hold them happen
+    now rather than between request and exec: a Python call writes the reference counts of what
+    it touches. The pages are this child's from now on and freed at its exec, as they would have
+    been; only the sandbox's own modules, whose code only a sandboxed launch runs."""
+    for module in (sys.modules[__name__], mounts, caps, seccomp, landlock, spec_module):
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                for member in list(vars(value).values()):
+                    _touch_code(getattr(member, "__code__", None))
+            else:
+                _touch_code(getattr(value, "__code__", None))
+
+
+def _touch_code(code: object) -> None:
+    if isinstance(code, types.CodeType):
+        for const in code.co_consts:  # nested code too (comprehensions, lambdas), not docstrings
+            if isinstance(const, types.CodeType):
+                _touch_code(const)
 
 
 def _abandon_or_exit(prepared: Prepared) -> None:
