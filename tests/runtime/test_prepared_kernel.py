@@ -40,8 +40,12 @@ SAFE_DEV = {
 }
 
 
-def sandboxed(tmp_path: Path, slot: V1Slot, argv: list[str], spec: SandboxSpec = SPEC) -> object:
-    return make_request(tmp_path, slot, argv, uid=spec.uid, gid=spec.gid, groups=spec.groups, sandbox=spec)
+def sandboxed(
+    tmp_path: Path, slot: V1Slot, argv: list[str], spec: SandboxSpec = SPEC, **extra: object
+) -> object:
+    return make_request(
+        tmp_path, slot, argv, uid=spec.uid, gid=spec.gid, groups=spec.groups, sandbox=spec, **extra
+    )
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -57,6 +61,12 @@ def _fstype(entry: list[str]) -> str:
     return entry[entry.index("-") + 1]
 
 
+def _holds_only_stdio(pid: int) -> None:
+    # Once sleep has started up (its C library may hold a file open for a moment at start).
+    fds = f"/proc/{pid}/fd"
+    wait_until(f"worker {pid} to hold only its stdio", lambda: sorted(os.listdir(fds)) == ["0", "1", "2"])
+
+
 def _launch(keeper: KeeperClient, req: object, workers: list[ProcessIdentity]) -> int:
     worker = keeper.launch(req)  # type: ignore[arg-type]
     workers.append(worker.identity)
@@ -65,7 +75,8 @@ def _launch(keeper: KeeperClient, req: object, workers: list[ProcessIdentity]) -
 
 def _keep_prepared_children(tmp_path: Path, slot: V1Slot, keeper: KeeperClient) -> list[ProcessIdentity]:
     """The client keeps prepared children from the first launch that takes one; wait for them."""
-    keeper.launch(sandboxed(tmp_path, slot, ["/bin/true"])).close()
+    # Its exit must not end the slot: the test's own worker goes there next.
+    keeper.launch(sandboxed(tmp_path, slot, ["/bin/true"], end_slot_on_exit=False)).close()
     return keeper.idle_children(PREPARED)
 
 
@@ -105,7 +116,7 @@ def test_a_prepared_child_gives_the_worker_the_whole_default_sandbox(tmp_path, s
     )
     assert (status["NoNewPrivs"], status["Seccomp"]) == ("1", "2")
     # Only its stdio: no descriptor the preparation held (the host's root, namespaces, mounts).
-    assert sorted(os.listdir(f"/proc/{pid}/fd")) == ["0", "1", "2"]
+    _holds_only_stdio(pid)
     assert f":pids:/{slot.name}\n" in Path(f"/proc/{pid}/cgroup").read_text()
     mountinfo = _mountinfo(pid)
     # Propagation cut: no mount shares events with the host's (or receives them) any more.
@@ -193,6 +204,6 @@ def test_a_host_mount_that_does_not_propagate_makes_the_child_build_its_view_afr
             assert Path(f"/proc/{pid}/root{sub}/marker").read_text() == "here\n"
             status = _status(pid)
             assert (status["CapBnd"], status["NoNewPrivs"], status["Seccomp"]) == ("0" * 16, "1", "2")
-            assert sorted(os.listdir(f"/proc/{pid}/fd")) == ["0", "1", "2"]
+            _holds_only_stdio(pid)
             kill(kill_workers[-1])
             assert wait_gone(kill_workers[-1])
