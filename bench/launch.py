@@ -10,7 +10,9 @@ contender alike (run as root on a cgroup v1 or hybrid host):
   nodeagent-sandbox  the same with the full default sandbox, as every worker gets it: mount, ipc
                    and uts namespaces, private /proc (hidepid), /tmp, /dev/shm and /dev, read-only
                    /sys/fs/cgroup, the state directory hidden, its own uid (nobody here), no
-                   capabilities, no_new_privs and the default seccomp filter
+                   capabilities, no_new_privs and the default seccomp filter; from the children the
+                   client keeps for it, which built the request-independent part of that sandbox
+                   while they waited (runtime/sandbox: Prepared)
   popen-preexec    subprocess.Popen(preexec_fn=join the slot via cgroup.procs): the by-hand
                    fork/join/exec baseline (preexec_fn forces fork instead of vfork)
   popen-plain      subprocess.Popen with no cgroup at all: the floor

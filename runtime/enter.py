@@ -6,7 +6,10 @@ files limit). When the request arrives it enters the slot, builds the worker's s
 the running worker's, for an exec probe) and execs (:func:`enter_slot_and_exec`).
 
 Order matters. Cgroups are joined first, so the child is accounted and confined before anything
-else happens, and long before the worker's first instruction. The network namespace, rlimits and
+the request asks for happens, and long before the worker's first instruction (a child armed to
+prepare the default sandbox has built its request-independent part before, in the keeper's
+cgroups: sandbox.Prepared; it then reaches the request's cgroup and netns files through the
+host's root, since its own view shows the cgroupfs read-only). The network namespace, rlimits and
 the memory policy need privileges, so they come before uid/gid are dropped. The sandbox's
 namespaces and mounts (runtime/sandbox) come after the cgroups are joined (a cgroup namespace is
 rooted where the child is when it unshares) and before the identity switch (they need root); its
@@ -89,10 +92,18 @@ def join_file(procs_file: str) -> str:
     return procs_file
 
 
-def join_cgroups(procs_files: Sequence[str]) -> None:
+def _host_open(path: str, flags: int, prepared: sandbox.Prepared | None) -> int:
+    """Open a host path the request names: through the keeper's root when the child holds a
+    prepared sandbox (whose cgroupfs is read-only and whose /proc and /dev are its own)."""
+    if prepared is None:
+        return os.open(path, flags)
+    return os.open(prepared.host_path(path), flags, dir_fd=prepared.host_root)
+
+
+def join_cgroups(procs_files: Sequence[str], prepared: sandbox.Prepared | None = None) -> None:
     """Move the calling process into each cgroup. The caller must be single-threaded."""
     for path in procs_files:
-        fd = os.open(join_file(path), os.O_WRONLY | os.O_CLOEXEC)
+        fd = _host_open(join_file(path), os.O_WRONLY | os.O_CLOEXEC, prepared)
         try:
             # "0" means the writing task itself (cgroup v1 and v2).
             os.write(fd, b"0")
@@ -100,8 +111,8 @@ def join_cgroups(procs_files: Sequence[str]) -> None:
             os.close(fd)
 
 
-def enter_netns(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def enter_netns(path: str, prepared: sandbox.Prepared | None = None) -> None:
+    fd = _host_open(path, os.O_RDONLY | os.O_CLOEXEC, prepared)
     try:
         _check(_libc.setns(fd, CLONE_NEWNET), path)
     finally:
@@ -201,14 +212,35 @@ def _tell_keeper(keeper_fd: int, oom_kills: int, message: bytes) -> None:
     os.write(keeper_fd, body)
 
 
-def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, trace: Trace) -> NoReturn:
+def _steps(
+    req: LaunchRequest,
+    message: bytes,
+    keeper_fd: int,
+    status_fd: int,
+    *,
+    trace: Trace,
+    prepared: sandbox.Prepared | None,
+) -> NoReturn:
     step = "join cgroups"
     try:
-        join_cgroups(joined_procs(req))
+        # A prepared child set no_new_privs and the Landlock scope already, whatever comes next.
+        sealed_ahead = prepared is not None
+        if prepared is not None:
+            if req.sandbox is None or req.join is not None or not sandbox.fits_prepared(req.sandbox):
+                # Its bounding set is gone: it must not run what would have kept one. The agent
+                # sends such requests to plain children (keeper_client.child_kind).
+                step = "take a child prepared for the default sandbox"
+                raise OSError(errno.EINVAL, "this request does not fit the sandbox the child prepared")
+            if not prepared.catch_up():
+                # The host's mounts changed in a way the prepared view cannot show: build it all
+                # from scratch, as without preparation (the bounding set is dropped already).
+                prepared.abandon()
+                prepared = None
+        join_cgroups(joined_procs(req), prepared)
         trace.stamp(req.launch_id, "child-joined")
         if req.netns is not None:
             step = f"enter netns {req.netns}"
-            enter_netns(req.netns)
+            enter_netns(req.netns, prepared)
         if req.cpus is not None:
             step = "sched_setaffinity"
             os.sched_setaffinity(0, req.cpus)
@@ -224,12 +256,13 @@ def _steps(req: LaunchRequest, message: bytes, keeper_fd: int, status_fd: int, t
         oom_kills = read_oom_kills(req.oom_events)
         argv, program_fd = req.argv, None
         if req.sandbox is not None:
-            argv, program_fd = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd))
+            argv, program_fd = _enter_sandbox(req, req.sandbox, (keeper_fd, status_fd), prepared)
             trace.stamp(req.launch_id, "child-sandboxed")
         step = "set uid/gid/groups"
         drop_privileges(req.uid, req.gid, req.groups)
         if req.sandbox is not None:
-            sandbox.seal_sandbox(req.sandbox)  # capabilities, no_new_privs, seccomp: last before exec
+            # capabilities, no_new_privs, seccomp: last before exec
+            sandbox.seal_sandbox(req.sandbox, prepared=sealed_ahead)
             trace.stamp(req.launch_id, "child-sealed")
         elif req.no_new_privs:
             step = "prctl(PR_SET_NO_NEW_PRIVS)"
@@ -278,11 +311,18 @@ def _replaced_by(spec: sandbox.SandboxSpec, path: str) -> str | None:
 
 
 def _enter_sandbox(
-    req: LaunchRequest, spec: sandbox.SandboxSpec, reports: tuple[int, int]
+    req: LaunchRequest,
+    spec: sandbox.SandboxSpec,
+    reports: tuple[int, int],
+    prepared: sandbox.Prepared | None,
 ) -> tuple[tuple[str, ...], int | None]:
-    """The sandbox's steps before the identity switch; returns the argv to exec (through the
-    namespace's init when the worker has a pid namespace of its own, with the init opened before
-    the mounts: the agent's own init may lie under a path the sandbox replaces, /tmp say)."""
+    """The sandbox's steps before the identity switch (only the request's own ones when the child
+    holds a ``prepared`` sandbox that fits); returns the argv to exec (through the namespace's init
+    when the worker has a pid namespace of its own, with the init opened before the mounts: the
+    agent's own init may lie under a path the sandbox replaces, /tmp say)."""
+    if prepared is not None:
+        sandbox.enter_prepared_sandbox(spec, prepared)  # a prepared sandbox has no pid namespace
+        return req.argv, None
     if req.join is None:
         init = spec.init if "pid" in spec.namespaces else None
         init_fd = os.open(init, os.O_RDONLY | os.O_CLOEXEC) if init else None
@@ -334,14 +374,21 @@ def set_oom_score_adj(value: int) -> None:
 
 
 def enter_slot_and_exec(
-    req: LaunchRequest, message: bytes, status_fd: int, keeper_fd: int, trace: Trace | None = None
+    req: LaunchRequest,
+    message: bytes,
+    status_fd: int,
+    keeper_fd: int,
+    *,
+    trace: Trace | None = None,
+    prepared: sandbox.Prepared | None = None,
 ) -> NoReturn:
     """Enter the slot described by ``req`` and exec its worker, in a child that went through
-    :func:`prepare_child`; ``message`` is the request as received, passed on to the keeper.
+    :func:`prepare_child` (and, in ``prepared``, perhaps :func:`sandbox.prepare_sandbox`);
+    ``message`` is the request as received, passed on to the keeper.
     On failure writes ``step\\0errno\\0message`` to ``status_fd`` and, after FAILED_MARK, to
     ``keeper_fd``, then _exit(127)."""
     try:
-        _steps(req, message, keeper_fd, status_fd, trace or Trace(None))
+        _steps(req, message, keeper_fd, status_fd, trace=trace or Trace(None), prepared=prepared)
     except _StepFailed as failed:
         text = f"{failed.step}\0{failed.err.errno or 0}\0{failed.err.strerror or failed.err}"
         failure = text.encode("utf-8", "replace")

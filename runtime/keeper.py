@@ -9,11 +9,13 @@ collector, and holds a few descriptors and a small object per worker: no per-wor
 What it does:
 
 - **Launch, one hop, no Python between fork and exec on the hot path.** For a connected agent it
-  forks worker children ahead of time (``arm``) and hands the agent each idle child's request and
-  status pipes (SCM_RIGHTS, see keeper_protocol.py). A launch is then the agent writing the request
-  to the child, which joins the slot's cgroups, enters its netns, sets affinity, memory policy and
-  rlimits, drops privileges, sets no_new_privs, hands the request to the keeper on a pipe and
-  execs (enter.py); the agent reads the status pipe until EOF. The keeper reads the handed-over
+  forks worker children ahead of time (``arm``; with ``prepare_sandbox`` the child also builds the
+  default sandbox's request-independent part while it waits: sandbox.prepare_sandbox) and hands
+  the agent each idle child's request and status pipes (SCM_RIGHTS, see keeper_protocol.py). A
+  launch is then the agent writing the request to the child, which joins the slot's cgroups,
+  enters its netns, sets affinity, memory policy and rlimits, builds the rest of the sandbox,
+  drops privileges, seals the sandbox, hands the request to the keeper on a pipe and execs
+  (enter.py); the agent reads the status pipe until EOF. The keeper reads the handed-over
   request only once the agent closes the child's done pipe, so it takes no CPU mid-launch.
 - **Parent and subreaper.** Workers are its children; with ``PR_SET_CHILD_SUBREAPER`` whatever
   their trees orphan is reparented to it and reaped.
@@ -256,7 +258,11 @@ class Keeper(WorkerCustody):
             if not greeted:
                 self._hello(fd, conn, body)
             elif op == "arm":
-                self._arm(fd, pid_namespace=body.get("pid_namespace") is True)
+                self._arm(
+                    fd,
+                    pid_namespace=body.get("pid_namespace") is True,
+                    prepare_sandbox=body.get("prepare_sandbox") is True,
+                )
             elif op == "watch":
                 self._watch_request(fd, body)
             elif op == "status":
@@ -328,9 +334,11 @@ class Keeper(WorkerCustody):
 
     # ------------------------------------------------------------------ arming a worker child
 
-    def _arm(self, fd: int, *, pid_namespace: bool = False) -> None:
+    def _arm(self, fd: int, *, pid_namespace: bool = False, prepare_sandbox: bool = False) -> None:
         """Fork a worker child ahead of its request; with ``pid_namespace`` the child is PID 1 of a
-        new pid namespace (a root worker's: runtime/sandbox/pidns.py), armed when asked for."""
+        new pid namespace (a root worker's: runtime/sandbox/pidns.py), armed when asked for; with
+        ``prepare_sandbox`` it builds the request-independent part of the default sandbox while it
+        waits (sandbox.prepare_sandbox), for a request whose spec fits it."""
         base = self.dir / IO_DIR / f"{self.identity.pid}-{next(self._fifo_names)}"
         out_fifo, err_fifo = f"{base}.out", f"{base}.err"
         opened: list[int] = []
@@ -357,7 +365,9 @@ class Keeper(WorkerCustody):
         done_r, done_w, notice_r, notice_w = opened[10:]
         pid = sandbox.fork_into_new_pid_namespace() if pid_namespace else os.fork()
         if pid == 0:
-            self._child_body(go_r, status_w, handoff_w, out_w, err_w)
+            # A root worker's spec (read-only root, init) never fits a prepared sandbox.
+            prepare = prepare_sandbox and not pid_namespace
+            self._child_body(go_r, status_w, handoff_w, out_w, err_w, prepare=prepare)
         for end in (go_r, status_w, handoff_w, out_w, err_w):
             os.close(end)
         child = _Child(ProcessIdentity(pid, process_start_time(pid) or 0))
@@ -385,13 +395,19 @@ class Keeper(WorkerCustody):
             for end in (go_w, status_r, done_w, notice_r, pidfd):
                 os.close(end)
 
-    def _child_body(self, go_r: int, status_w: int, handoff_w: int, out_w: int, err_w: int) -> NoReturn:
-        """The forked child: prepare, wait for the request, enter the slot and exec (enter.py)."""
+    def _child_body(
+        self, go_r: int, status_w: int, handoff_w: int, out_w: int, err_w: int, *, prepare: bool
+    ) -> NoReturn:
+        """The forked child: prepare (its process state, and the part of the default sandbox that
+        no request changes), wait for the request, enter the slot and exec (enter.py)."""
         try:
             gc.disable()  # it execs soon; a collection would only copy pages shared with the keeper
             keep = [go_r, status_w, handoff_w] + ([self._trace.fd] if self._trace.fd is not None else [])
+            prepared = None
             try:
                 prepare_child(out_w, err_w, keep, self._open_files)
+                if prepare:
+                    prepared = sandbox.prepare_sandbox()
                 message = b""
                 while chunk := os.read(go_r, 65536):
                     message += chunk
@@ -406,7 +422,7 @@ class Keeper(WorkerCustody):
                 report_failure(f"read request\0{0}\0{err!r}".encode("utf-8", "replace"), status_w, handoff_w)
                 os._exit(127)
             self._trace.stamp(req.launch_id, "child-woke")
-            enter_slot_and_exec(req, message, status_w, handoff_w, self._trace)
+            enter_slot_and_exec(req, message, status_w, handoff_w, trace=self._trace, prepared=prepared)
         finally:
             os._exit(127)
 

@@ -52,6 +52,7 @@ from nodeagent.runtime.process import (
     fd_fired,
     open_verified_pidfd,
 )
+from nodeagent.runtime.sandbox import fits_prepared
 
 log = logging.getLogger("nodeagent.keeper")
 
@@ -138,10 +139,21 @@ def _wait_gone(pidfd: int, timeout: float = _GONE_TIMEOUT) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-def _needs_pid_namespace(req: LaunchRequest) -> bool:
-    """A launch whose child must be PID 1 of a new pid namespace (a root worker's sandbox); an exec
-    probe joins its worker's namespace instead."""
-    return req.sandbox is not None and "pid" in req.sandbox.namespaces and req.join is None
+#: The kinds of idle child the keeper arms: one that waits with nothing built yet; one that built
+#: the request-independent part of the default sandbox while it waited (sandbox.Prepared); one that
+#: is PID 1 of a new pid namespace (a root worker's sandbox: rare, so armed when asked).
+PLAIN, PREPARED, PID_NAMESPACE = "plain", "prepared", "pid namespace"
+
+
+def child_kind(req: LaunchRequest) -> str:
+    """The kind of child ``req`` takes. An exec probe joins its worker's namespaces, and a sandbox
+    other than the default shape is built from scratch: a prepared child would have to leave its
+    namespaces first, which costs more than building them."""
+    if req.sandbox is None or req.join is not None:
+        return PLAIN
+    if "pid" in req.sandbox.namespaces:
+        return PID_NAMESPACE
+    return PREPARED if fits_prepared(req.sandbox) else PLAIN
 
 
 def keeper_identity(directory: Path) -> ProcessIdentity | None:
@@ -203,13 +215,16 @@ class KeeperClient:
         self._sock: socket.socket | None = None
         self._keeper: ProcessIdentity | None = None
         self._keeper_pidfd = -1
-        self._armed: collections.deque[_Armed] = collections.deque()
-        self._arms_pending = 0
-        #: Children armed in a pid namespace of their own (root workers: rare, so armed when asked).
-        self._armed_pidns: collections.deque[_Armed] = collections.deque()
-        self._pidns_pending = 0
-        #: Whether each arm request outstanding asked for a pid namespace, oldest first.
-        self._arm_order: collections.deque[bool] = collections.deque()
+        #: Armed children in hand and arm requests outstanding, by kind (PLAIN, PREPARED, ...).
+        self._armed: dict[str, collections.deque[_Armed]] = {
+            kind: collections.deque() for kind in (PLAIN, PREPARED, PID_NAMESPACE)
+        }
+        self._pending = dict.fromkeys(self._armed, 0)
+        #: Kinds kept at ``idle_children`` in hand: plain from the start, prepared once a launch
+        #: took one (a host whose workers are sandboxed from then on; the first pays a fork).
+        self._kept = [PLAIN]
+        #: The kind each arm request outstanding asked for, oldest first.
+        self._arm_order: collections.deque[str] = collections.deque()
         self._arm_error = ""
         self._trace = Trace(None)
         self._closed = False
@@ -269,7 +284,7 @@ class KeeperClient:
             )
         for attempt in (1, 2):
             with self._lock:
-                armed = self._take_armed_pidns() if _needs_pid_namespace(req) else self._take_armed()
+                armed = self._take_armed(child_kind(req))
                 keeper = self._keeper
                 try:
                     self._trace.stamp(req.launch_id, "agent-send")
@@ -323,15 +338,15 @@ class KeeperClient:
             if not page or len(workers) >= int(reply.get("total", 0)):
                 return {**reply, "workers": workers}
 
-    def idle_children(self) -> list[ProcessIdentity]:
-        """The armed children in hand, in the order launches take them (after waiting for those
-        the keeper is still preparing)."""
+    def idle_children(self, kind: str = PLAIN) -> list[ProcessIdentity]:
+        """The armed children of ``kind`` in hand, in the order launches take them (after waiting
+        for those the keeper is still preparing)."""
         with self._lock:
             self._ensure()
             self._request_arms()
-            while self._arms_pending:
+            while any(self._pending.values()):
                 self._receive_one()
-            return [armed.identity for armed in self._armed]
+            return [armed.identity for armed in self._armed[kind]]
 
     # ------------------------------------------------------------------ the connection
 
@@ -455,10 +470,10 @@ class KeeperClient:
             return "(no keeper.log)"
 
     def _disconnect(self) -> None:
-        for armed in (self._armed, self._armed_pidns):
+        for armed in self._armed.values():
             while armed:
                 armed.popleft().close()  # each child reads EOF instead of a request and exits
-        self._arms_pending = self._pidns_pending = 0
+        self._pending = dict.fromkeys(self._armed, 0)
         self._arm_order.clear()
         if self._sock is not None:
             self._sock.close()
@@ -505,9 +520,10 @@ class KeeperClient:
             self._disconnect()
             raise WorkerError(f"the keeper of {self.directory} closed the connection; see {proto.LOG_NAME}")
         if reply["op"] == "armed" and len(fds) == 5:
-            self._arm_answered()
-            armed = _Armed(ProcessIdentity(int(reply["pid"]), int(reply["start_time"])), fds)
-            (self._armed_pidns if reply.get("pid_namespace") is True else self._armed).append(armed)
+            kind = self._arm_answered()
+            self._armed[kind].append(
+                _Armed(ProcessIdentity(int(reply["pid"]), int(reply["start_time"])), fds)
+            )
             return None
         if reply["op"] == "error" and reply.get("request") == "arm":
             self._arm_answered()
@@ -515,54 +531,55 @@ class KeeperClient:
             return None
         return reply, fds
 
-    def _arm_answered(self) -> None:
+    def _arm_answered(self) -> str:
         """Replies come in the order of the requests: the oldest arm outstanding was answered."""
-        if self._arm_order.popleft():
-            self._pidns_pending -= 1
-        else:
-            self._arms_pending -= 1
+        kind = self._arm_order.popleft()
+        self._pending[kind] -= 1
+        return kind
+
+    def _send_arm(self, kind: str) -> None:
+        assert self._sock is not None
+        body: dict[str, object] = {"op": "arm"}
+        if kind == PID_NAMESPACE:
+            body["pid_namespace"] = True
+        elif kind == PREPARED:
+            body["prepare_sandbox"] = True  # a keeper that predates it arms a plain child
+        proto.send(self._sock, body)
+        self._pending[kind] += 1
+        self._arm_order.append(kind)
 
     def _request_arms(self) -> None:
         if self._sock is None:
             return
         try:
-            while len(self._armed) + self._arms_pending < self._idle_children:
-                proto.send(self._sock, {"op": "arm"})
-                self._arms_pending += 1
-                self._arm_order.append(False)
+            for kind in self._kept:
+                while len(self._armed[kind]) + self._pending[kind] < self._idle_children:
+                    self._send_arm(kind)
         except OSError:
             pass  # the next exchange finds the keeper gone and says so
 
-    def _take_armed_pidns(self) -> _Armed:
-        """A child that is PID 1 of a new pid namespace, armed now (one fork on this launch's path:
-        root workers are an opt-in, not worth children kept waiting)."""
+    def _take_armed(self, kind: str) -> _Armed:
+        """A child of ``kind``; one armed now (a fork on this launch's path) when none is in hand.
+        Prepared children are kept in hand from the first launch that takes one; children in a pid
+        namespace never are (root workers are an opt-in, not worth children kept waiting)."""
         self._ensure()
-        if not self._armed_pidns and not self._pidns_pending:
-            assert self._sock is not None
-            try:
-                proto.send(self._sock, {"op": "arm", "pid_namespace": True})
-            except OSError as err:
-                self._disconnect()
-                raise WorkerError(f"lost the keeper of {self.directory}: {err}") from err
-            self._pidns_pending += 1
-            self._arm_order.append(True)
-        while not self._armed_pidns:
-            if not self._pidns_pending:
-                raise WorkerError(
-                    f"the keeper could not prepare a worker child in a pid namespace: {self._arm_error}"
-                )
-            self._receive_one()
-        return self._armed_pidns.popleft()
-
-    def _take_armed(self) -> _Armed:
-        self._ensure()
-        if not self._armed:
+        if kind == PREPARED and kind not in self._kept:
+            self._kept.append(kind)
+        armed = self._armed[kind]
+        if not armed:
             self._request_arms()
-            while not self._armed:
-                if not self._arms_pending:
-                    raise WorkerError(f"the keeper could not prepare a worker child: {self._arm_error}")
+            if not self._pending[kind]:
+                try:
+                    self._send_arm(kind)
+                except OSError as err:
+                    self._disconnect()
+                    raise WorkerError(f"lost the keeper of {self.directory}: {err}") from err
+            while not armed:
+                if not self._pending[kind]:
+                    what = " in a pid namespace" if kind == PID_NAMESPACE else ""
+                    raise WorkerError(f"the keeper could not prepare a worker child{what}: {self._arm_error}")
                 self._receive_one()
-        return self._armed.popleft()
+        return armed.popleft()
 
     # ------------------------------------------------------------------ keeper deaths
 

@@ -13,7 +13,12 @@ Requests (agent -> keeper) and replies (``fds`` travel with the reply)::
     {"op": "hello", "protocol": 2}        -> {"op": "welcome", "protocol": 2, "pid", "start_time"}
                                              | {"op": "error", "request": "hello", "message"}
     {"op": "arm"[, "pid_namespace": true]} -> {"op": "armed", "pid", "start_time", "pid_namespace"}
-                                             fds: request (w), status (r), done (w), notice (r), pidfd
+        [, "prepare_sandbox": true]          fds: request (w), status (r), done (w), notice (r), pidfd
+
+``prepare_sandbox`` (no protocol change: a keeper that predates it ignores it and arms a plain
+child, which serves the same requests) asks for a child that builds the default sandbox's
+request-independent part while it waits (sandbox.Prepared); it serves only a request whose spec
+fits it.
     {"op": "watch", "run_dir", "launch_id"} -> {"op": "watching", "pid", "start_time"}  fds: notice (r)
                                              | {"op": "final"}   (no live custody: read worker.json)
     {"op": "status", "offset": 0}         -> {"op": "status", "pid", "start_time", "total",

@@ -33,6 +33,13 @@ before it execs the worker, in two calls around the identity switch:
                                                              after it but exec should run
     exec (through the init when there is a pid namespace: pidns.init_argv)
 
+Most of it does not depend on the request: an idle child armed for it runs :func:`prepare_sandbox`
+while it waits (steps 1, 4, 5, 7 without the slot's devices and /dev/shm, 10, and no_new_privs
+and the Landlock scope of 12), and the request then runs :meth:`Prepared.catch_up` (step 3 and a
+check that the view is the host's as of now) and :func:`enter_prepared_sandbox` (the rest of
+2-9b) instead of :func:`enter_sandbox`; only a spec that :func:`fits_prepared` takes such a child.
+See :class:`Prepared` and docs/sandbox.md for why that keeps every property.
+
 A pid namespace is not made here: the child must already be PID 1 of one, which is what
 :func:`~nodeagent.runtime.sandbox.pidns.fork_into_new_pid_namespace` gives the keeper; see pidns
 for why a non-root worker needs none.
@@ -46,10 +53,14 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import select
+import sys
+import types
 from pathlib import Path
 
 from nodeagent.errors import NodeAgentError
 from nodeagent.runtime.sandbox import caps, landlock, mounts, seccomp
+from nodeagent.runtime.sandbox import spec as spec_module
 from nodeagent.runtime.sandbox._sys import (
     CLONE_NEWCGROUP,
     CLONE_NEWIPC,
@@ -70,16 +81,20 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 __all__ = [
     "DeviceNode",
     "Exposed",
+    "Prepared",
     "PrivateDir",
     "SandboxSpec",
     "SandboxStepError",
     "SandboxSupport",
+    "enter_prepared_sandbox",
     "enter_sandbox",
+    "fits_prepared",
     "fork_into_new_pid_namespace",
     "home_directory",
     "init_argv",
     "join_sandbox",
     "missing_for",
+    "prepare_sandbox",
     "probe",
     "probe_live",
     "seal_sandbox",
@@ -234,6 +249,11 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
     elif spec.shm_bytes is not None:
         with step("private /dev/shm"):
             mounts.mount_tmpfs(mounts.DEV_SHM, spec.shm_bytes)
+    _mount_request_part(spec, step, exposed)
+
+
+def _mount_request_part(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bool]]) -> None:
+    """Steps 8-9b: what differs from worker to worker (sizes, the slot's paths)."""
     if spec.tmp_bytes is not None:
         with step("private /tmp"):
             mounts.mount_tmpfs(mounts.TMP, spec.tmp_bytes)
@@ -255,6 +275,241 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
             mounts.mount_private_dir(private)
 
 
+# -- prepared ahead of the request ---------------------------------------------------------------
+
+#: What a prepared sandbox has made: the default spec's namespaces, and its mounts that no request
+#: changes (the rest of the file system view depends on the request's sizes, slot and paths).
+PREPARED_NAMESPACES = frozenset(("mount", "ipc", "uts"))
+#: Where the prepared mounts cover the host's tree: a path shown again from there must be opened
+#: before they exist, so a spec exposing one is built from scratch.
+_PREPARED_COVERS = ("/proc", "/dev")
+
+
+def fits_prepared(spec: SandboxSpec) -> bool:
+    """Whether ``spec`` is built on exactly what :func:`prepare_sandbox` makes (the agent's default
+    spec is): the launch path then does only the request's own steps."""
+    return (
+        frozenset(spec.namespaces) == PREPARED_NAMESPACES
+        and spec.hide_other_processes
+        and spec.cgroup_view == "read-only"
+        and not spec.read_only_root  # would make the prepared /dev read-only too
+        and spec.private_dev
+        and not spec.capabilities  # the bounding set is dropped whole ahead of the request
+        and not any(
+            e.path == top or e.path.startswith(top + "/") for e in spec.expose for top in _PREPARED_COVERS
+        )
+    )
+
+
+class Prepared:
+    """Steps 1, 4, 5, 7, 10 and the first half of 12 of the default sandbox (its namespaces, /proc,
+    the read-only cgroupfs, /dev without the slot's devices or /dev/shm, the bounding set dropped
+    whole, no_new_privs and the Landlock scope), done by an idle keeper child before any request
+    exists: they are the same for every worker that keeps no capability, so they need not wait
+    for one. None of them takes a capability from the child's effective set, so the request's own
+    steps (joining cgroups and the netns, mounts, setuid) still work; they do take what no worker
+    of this kind gets back, so a prepared child serves only a request whose spec
+    :func:`fits_prepared`. The child is used for one launch only and the namespaces are its own
+    (unshared by it, never shared with another slot); the worker keeps them, as it would have
+    kept the ones built after the request.
+
+    While it waits, / is a slave of the host's mounts: what the host mounts and unmounts meanwhile
+    (a slot's netns file, a volume) reaches the prepared view, and nothing goes the other way.
+    :meth:`catch_up`, the request's first step, cuts that (step 3, / private, as without
+    preparation) and checks the view is still the host's as of now, else the child builds its
+    sandbox from scratch.
+
+    It keeps descriptors on the keeper's namespaces, to go back when the request turns out not to
+    want this sandbox (:meth:`abandon`); on the host's root, through which the request's cgroup and
+    network namespace are reached (the prepared view shows the cgroupfs read-only and a /proc and
+    /dev of its own); on the host's /dev (a slot device the device cgroup refuses to mknod is bound
+    from there); and on the host's and its own mount tables, whose changes poll(2) reports. All are
+    close-on-exec and closed before exec (:meth:`close`); the worker never holds one."""
+
+    __slots__ = (
+        "cwd",
+        "host_dev",
+        "host_ipc",
+        "host_mnt",
+        "host_mounts",
+        "host_root",
+        "host_uts",
+        "own_mounts",
+        "tops",
+    )
+
+    def __init__(self) -> None:
+        self.host_mnt = self.host_ipc = self.host_uts = self.host_root = self.cwd = -1
+        self.host_dev = self.host_mounts = self.own_mounts = -1
+        #: st_dev of the prepared /proc, /dev and /dev/pts: still on top at the request?
+        self.tops: tuple[int, ...] = ()
+
+    def host_path(self, path: str) -> str:
+        """``path`` relative to ``host_root`` (for ``dir_fd``): the host's file, not this view's."""
+        return path.lstrip("/") or "."
+
+    def catch_up(self) -> bool:
+        """Make / private (nothing the host mounts from now on reaches the worker, as without
+        preparation) and check that the view is the host's mounts as of now plus the prepared
+        ones on top; re-apply the read-only cgroupfs to what arrived meanwhile. False: the view
+        is not (a host mount that does not propagate changed, or one landed on a prepared mount
+        point), and the caller abandons it. Raises SandboxStepError."""
+        step = _Steps()
+        with step("make / private"):
+            mounts.make_private("/")
+        poller = select.poll()
+        for fd in (self.host_mounts, self.own_mounts):
+            poller.register(fd, select.POLLPRI)
+        if not poller.poll(0):
+            return True  # neither mount table changed since the preparation
+        with step("compare the prepared view with the host's"):
+            host = [m.mount_point for m in mounts.parse_mountinfo(_read_from_start(self.host_mounts))]
+            own = [m.mount_point for m in mounts.parse_mountinfo(_read_from_start(self.own_mounts))]
+            if sorted(own) != sorted([*host, *_PREPARED_TOPS]) or _top_devices() != self.tops:
+                return False
+        with step(f"{CGROUP_ROOT} read-only"):
+            mounts.make_read_only(CGROUP_ROOT)
+        return True
+
+    def abandon(self) -> None:
+        """Back to the keeper's mount, ipc and uts namespaces and working directory (the prepared
+        ones are freed with their last process, this one); then close everything."""
+        with _Steps()("leave the prepared sandbox"):
+            for fd, flag in (
+                (self.host_mnt, CLONE_NEWNS),
+                (self.host_ipc, CLONE_NEWIPC),
+                (self.host_uts, CLONE_NEWUTS),
+            ):
+                check(libc.setns(fd, flag), "setns")
+            os.fchdir(self.cwd)  # setns(CLONE_NEWNS) moved it to the namespace's root
+        self.close()
+
+    def close(self) -> None:
+        for name in self.__slots__:
+            fd = getattr(self, name)
+            if isinstance(fd, int) and fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+#: The mounts the preparation adds on top of the host's (mount points, as mountinfo lists them).
+_PREPARED_TOPS = ("/proc", "/dev", "/dev/pts")
+
+
+def _top_devices() -> tuple[int, ...]:
+    return tuple(os.stat(path).st_dev for path in _PREPARED_TOPS)
+
+
+def _read_from_start(fd: int) -> str:
+    data = b""
+    offset = 0
+    while chunk := os.pread(fd, 65536, offset):
+        data += chunk
+        offset += len(chunk)
+    return data.decode()
+
+
+def prepare_sandbox() -> Prepared | None:
+    """Build the request-independent part of the default sandbox in this (idle, forked,
+    single-threaded, root) child; None where it cannot (not root, an older kernel: the request's
+    own steps then fail or succeed as they would have, and report which)."""
+    prepared = Prepared()
+    try:
+        prepared.host_mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        prepared.host_ipc = os.open("/proc/self/ns/ipc", os.O_RDONLY | os.O_CLOEXEC)
+        prepared.host_uts = os.open("/proc/self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        prepared.host_root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        prepared.cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Bound to the host's namespace at open: poll(2) says when its mount table changes.
+        prepared.host_mounts = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        prepared.close()
+        return None
+    if libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS) != 0:
+        prepared.close()
+        return None
+    try:
+        mounts.make_slave("/")
+        mounts.mount_private_proc(hide_other_processes=True)
+        mounts.make_read_only(CGROUP_ROOT)
+        prepared.host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        mounts.build_base_dev(prepared.host_dev)
+        prepared.tops = _top_devices()
+        prepared.own_mounts = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+    except (OSError, NodeAgentError):
+        _abandon_or_exit(prepared)
+        return None
+    # Last: these cannot be undone, so nothing may fail after them. The first drop fails (without
+    # CAP_SETPCAP) before any capability is gone, and the child then serves any request unprepared.
+    try:
+        caps.drop_bounding_set(0, _last_capability())
+    except OSError:
+        _abandon_or_exit(prepared)
+        return None
+    try:
+        caps.clear_ambient()
+        check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        landlock.scope_abstract_unix_sockets()
+    except OSError:
+        os._exit(127)  # half-sealed, it can serve no request; the launch that takes it says so
+    _fault_in_the_request_steps()
+    return prepared
+
+
+def _fault_in_the_request_steps() -> None:
+    """Touch the functions and classes the request's sandbox steps run (their code and the
+    constants it loads), so the copy-on-write faults on the keeper's pages that hold them happen
+    now rather than between request and exec: a Python call writes the reference counts of what
+    it touches. The pages are this child's from now on and freed at its exec, as they would have
+    been; only the sandbox's own modules, whose code only a sandboxed launch runs."""
+    for module in (sys.modules[__name__], mounts, caps, seccomp, landlock, spec_module):
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == module.__name__:
+                for member in list(vars(value).values()):
+                    _touch_code(getattr(member, "__code__", None))
+            else:
+                _touch_code(getattr(value, "__code__", None))
+
+
+def _touch_code(code: object) -> None:
+    if isinstance(code, types.CodeType):
+        for const in code.co_consts:  # nested code too (comprehensions, lambdas), not docstrings
+            if isinstance(const, types.CodeType):
+                _touch_code(const)
+
+
+def _abandon_or_exit(prepared: Prepared) -> None:
+    try:
+        prepared.abandon()
+    except SandboxStepError:
+        os._exit(127)  # stuck half-way in a namespace of its own: never serve a request
+
+
+def enter_prepared_sandbox(spec: SandboxSpec, prepared: Prepared) -> None:
+    """:func:`enter_sandbox` for a child holding ``prepared`` (which must fit ``spec``, and has
+    caught up): only the request's own steps (hostname, the slot's devices, /dev/shm and /tmp of
+    its sizes, HOME, the hidden and exposed paths, private views and directories). Closes
+    ``prepared``; :func:`seal_sandbox` follows with ``prepared=True``. Raises SandboxStepError."""
+    step = _Steps()
+    if spec.hostname is not None:
+        with step("sethostname"):
+            hostname = spec.hostname.encode()
+            check(libc.sethostname(hostname, len(hostname)), "sethostname")
+    with step("open the paths to expose"):
+        exposed = mounts.open_exposed([(e.path, e.writable) for e in spec.expose])
+    try:
+        if spec.devices:
+            with step("private /dev"):
+                mounts.add_devices(spec.devices, prepared.host_dev)
+        if spec.shm_bytes is not None:
+            with step("private /dev/shm"):
+                mounts.mount_tmpfs(mounts.DEV_SHM, spec.shm_bytes)
+        _mount_request_part(spec, step, exposed)
+    finally:
+        mounts.close_exposed(exposed)
+        prepared.close()
+
+
 def switch_user(spec: SandboxSpec) -> None:
     """setgroups, setgid, setuid to the spec's identity (what runtime/enter.py's drop_privileges
     does with the request's ids; here for callers that carry only a spec)."""
@@ -264,17 +519,19 @@ def switch_user(spec: SandboxSpec) -> None:
         os.setuid(spec.uid)
 
 
-def seal_sandbox(spec: SandboxSpec) -> None:
-    """Steps 11-12, after setuid and just before exec. Raises SandboxStepError."""
+def seal_sandbox(spec: SandboxSpec, *, prepared: bool = False) -> None:
+    """Steps 11-12, after setuid and just before exec (``prepared``: the child set no_new_privs
+    and the Landlock scope while it waited, see :class:`Prepared`). Raises SandboxStepError."""
     step = _Steps()
     keep = caps.capability_mask(spec.capabilities)
     with step("set capabilities"):
         caps.set_capabilities(keep, ambient=bool(keep) and spec.uid != 0)
-    with step("landlock scope (abstract unix sockets)"):
-        # Landlock needs no_new_privs from a process without CAP_SYS_ADMIN; the seccomp filter
-        # after it would set it anyway, and may not allow the Landlock calls.
-        check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-        landlock.scope_abstract_unix_sockets()
+    if not prepared:
+        with step("landlock scope (abstract unix sockets)"):
+            # Landlock needs no_new_privs from a process without CAP_SYS_ADMIN; the seccomp filter
+            # after it would set it anyway, and may not allow the Landlock calls.
+            check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+            landlock.scope_abstract_unix_sockets()
     with step(f"seccomp filter {spec.seccomp_profile!r}"):
         program = _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
         if program is None:

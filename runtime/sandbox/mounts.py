@@ -40,6 +40,8 @@ MS_NODIRATIME = 2048
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
+MS_SHARED = 1 << 20
 MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
 MNT_DETACH = 2
@@ -109,6 +111,11 @@ def umount(target: str, flags: int = 0) -> None:
 def make_private(path: str = "/") -> None:
     """Stop mount propagation to and from the host for ``path`` and everything below it."""
     mount(None, path, None, MS_REC | MS_PRIVATE)
+
+
+def make_slave(path: str = "/") -> None:
+    """Receive what the host mounts and unmounts at ``path`` and below, and send nothing back."""
+    mount(None, path, None, MS_REC | MS_SLAVE)
 
 
 def mount_tmpfs(target: str, size: int, mode: int = 0o1777, flags: int = MS_NOSUID | MS_NODEV) -> None:
@@ -309,6 +316,21 @@ def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -
     mknod (an allow-list granting read/write only, as a slot made by an agent before 'm' was part
     of it has), in which case the host's node is bind-mounted and keeps the host's owner and mode."""
     host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        made = build_base_dev(host_dev)
+        made += add_devices(devices, host_dev)
+    finally:
+        os.close(host_dev)
+    if shm_bytes is not None:
+        mount_tmpfs(DEV_SHM, shm_bytes)
+    return made
+
+
+def build_base_dev(host_dev: int) -> list[tuple[str, str]]:
+    """The part of :func:`build_private_dev` that is the same for every worker: the tmpfs on /dev
+    with the safe nodes, /dev/pts (a devpts instance of its own), the usual links and the empty
+    /dev/shm mount point. ``host_dev`` is an O_PATH descriptor on the host's /dev, taken before the
+    tmpfs covers it (a node the device cgroup refuses to mknod is bound from there)."""
     # With no umask, mknod and mkdir give the modes asked for, without a chmod each.
     umask = os.umask(0)
     try:
@@ -322,6 +344,24 @@ def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -
             )
             for name, major, minor in SAFE_NODES
         ]
+        os.mkdir("/dev/pts", 0o755)
+        os.mkdir(DEV_SHM, 0o1777)  # what /dev/shm always is: world-writable and sticky
+    finally:
+        os.umask(umask)
+    # A devpts instance of its own: the worker's pseudo-terminals are not the host's (ptmxmode
+    # makes pts/ptmx usable by any uid, as /dev/ptmx is on the host).
+    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
+    for name, target in DEV_LINKS:
+        os.symlink(target, f"/dev/{name}")
+    return made
+
+
+def add_devices(devices: Sequence[DeviceNode], host_dev: int) -> list[tuple[str, str]]:
+    """The slot's own ``devices`` in the private /dev that :func:`build_base_dev` made, by mknod
+    from inside the slot's device cgroup (or bound from ``host_dev`` where it refuses mknod)."""
+    made = []
+    umask = os.umask(0)
+    try:
         for node in devices:
             kind = stat.S_IFCHR if node.type == "c" else stat.S_IFBLK
             parent = os.path.dirname(node.path)
@@ -338,18 +378,8 @@ def build_private_dev(devices: Sequence[DeviceNode], *, shm_bytes: int | None) -
                 host_dev=host_dev,
             )
             made.append((node.path, how))
-        os.mkdir("/dev/pts", 0o755)
-        os.mkdir(DEV_SHM, 0o1777)  # what /dev/shm always is: world-writable and sticky
     finally:
         os.umask(umask)
-        os.close(host_dev)
-    # A devpts instance of its own: the worker's pseudo-terminals are not the host's (ptmxmode
-    # makes pts/ptmx usable by any uid, as /dev/ptmx is on the host).
-    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620")
-    for name, target in DEV_LINKS:
-        os.symlink(target, f"/dev/{name}")
-    if shm_bytes is not None:
-        mount_tmpfs(DEV_SHM, shm_bytes)
     return made
 
 
