@@ -45,3 +45,20 @@ def test_start_up_does_not_load_what_it_does_not_use(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert not loaded & set(NOT_AT_START), f"start-up loaded {sorted(loaded & set(NOT_AT_START))}"
+
+
+def test_an_agent_without_a_controller_does_not_load_httpx() -> None:
+    # The reporter's HTTP client (httpx, with httpcore, h11 and, where installed, rich and pygments
+    # for its command line) is 3-5 MB of the daemon's RSS: only a configured controller loads it.
+    code = (
+        "import sys\n"
+        "from nodeagent.agent.config import parse_config\n"
+        "from nodeagent.agent import api, daemon\n"
+        "assert daemon._reporter(parse_config({}), None, None, None) is None\n"
+        "loaded = sorted(m for m in ('httpx', 'httpcore', 'nodeagent.agent.reporter') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
