@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,16 @@ def test_an_agent_without_a_controller_does_not_load_httpx() -> None:
         "loaded = sorted(m for m in ('httpx', 'httpcore', 'nodeagent.agent.reporter') if m in sys.modules)\n"
         "assert not loaded, loaded\n"
     )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's M_ARENA_MAX is glibc's")
+def test_the_daemons_threads_share_two_malloc_arenas() -> None:
+    # In a process of its own: the setting is the whole process's, for its life.
+    code = "from nodeagent.agent.daemon import limit_malloc_arenas\nassert limit_malloc_arenas()\n"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
