@@ -685,6 +685,8 @@ def _uvicorn_config(config: AgentConfig, app: Any, metrics: Metrics) -> Any:
         # address a proxy in front would have to be configured for), and that middleware is one
         # more layer every request crosses.
         proxy_headers=False,
+        # AutoHTTPProtocol is uvicorn's httptools protocol (a dependency: about a third less of
+        # the framework's cost per request than h11's), h11's only where httptools is missing.
         http=guarded_protocol(AutoHTTPProtocol, limits, counters),
         backlog=ACCEPT_BACKLOG,  # also the most connections asyncio accepts in one go
     )

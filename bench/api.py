@@ -201,6 +201,15 @@ def cli_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
     return time_pairs(runs, allocate, release)
 
 
+def http_parser() -> str:
+    """The HTTP/1.1 parser uvicorn serves the daemon's API with (the daemon runs this interpreter):
+    httptools where installed, else h11; it is a good part of the REST path's cost."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    name = AutoHTTPProtocol.__name__
+    return {"HttpToolsProtocol": "httptools", "H11Protocol": "h11"}.get(name, name)
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
 
@@ -542,6 +551,7 @@ def main() -> None:
             if args.cli_runs:
                 rows["cli"] = cli_pairs(daemon, args.cli_runs)
             print(latency_table(rows), flush=True)
+            print(f"(the daemon parses HTTP with {http_parser()})", flush=True)
             prints.append(
                 footprint("0 slots, after round trips", daemon.pid, daemon.state, args.idle_seconds, [])
             )
