@@ -3,6 +3,7 @@ its memory for the daemon's whole life (the RSS target is 80 MB with 500 slots).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -36,13 +37,20 @@ print(json.dumps(loaded))
 @pytest.mark.root
 def test_start_up_does_not_load_what_it_does_not_use(tmp_path: Path) -> None:
     parent = f"natest{os.getpid()}f.slice"
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "state"), parent],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SCRIPT, str(tmp_path / "state"), parent],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        # remove_all leaves the empty QoS class cgroups (best-effort, burstable) and the parent.
+        for hierarchy in list(Path("/sys/fs/cgroup").glob(f"*/{parent}")):
+            for directory in [*sorted(hierarchy.rglob("*/"), key=lambda d: -len(d.parts)), hierarchy]:
+                with contextlib.suppress(FileNotFoundError):  # cpu and cpuacct: one hierarchy
+                    directory.rmdir()
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert not loaded & set(NOT_AT_START), f"start-up loaded {sorted(loaded & set(NOT_AT_START))}"
