@@ -12,7 +12,9 @@ Latency and throughput, side by side in one run:
                  socket, no HTTP library): the server's share of ``rest`` without httpx's
   cli            ``nodeagent slots allocate`` + ``release`` as processes (what an operator pays)
 Each allocates a burstable slot (0.1 CPU, 32Mi, no worker) and releases it; the table gives median
-and p99 per call and allocate+release pairs per second.
+and p99 per call and allocate+release pairs per second. The first three are timed in turns of 10
+pairs (the in-process manager, with names of its own, runs beside the daemon), so that a shared
+host's changing load weighs on each alike.
 
 Footprint of ``nodeagent serve`` and of its host keeper (the one process, besides the workers, that
 it starts): the daemon's RSS (VmRSS), the keeper's PSS (its pages shared with its pre-forked idle
@@ -92,15 +94,25 @@ def config_text() -> str:
     )
 
 
+def own_names(state_dir: Path) -> tuple[str, str, str, str]:
+    """Cgroup parent, netns and veth prefixes and firewall table of the manager of ``state_dir``:
+    the in-process manager runs beside the daemon (``interleaved``), so it has names of its own
+    (one would take the other's slots for orphans, or remove its firewall rules)."""
+    if state_dir.name == "inproc":
+        return f"natest{os.getpid()}i.slice", f"ni{os.getpid()}-", "nti", f"natest{os.getpid()}i"
+    return PARENT, NETNS_PREFIX, VETH_PREFIX, FIREWALL_TABLE
+
+
 def agent_config(state_dir: Path) -> AgentConfig:
+    parent, netns_prefix, veth_prefix, firewall_table = own_names(state_dir)
     data = {
         # The benchmark measures the agent's own work: partitioning this (shared) host is not part of it.
         "isolation": {
-            "cgroup_parent": PARENT,
-            "netns_prefix": NETNS_PREFIX,
-            "veth_prefix": VETH_PREFIX,
+            "cgroup_parent": parent,
+            "netns_prefix": netns_prefix,
+            "veth_prefix": veth_prefix,
             "host_partitioning": "off",
-            "firewall_table": FIREWALL_TABLE,
+            "firewall_table": firewall_table,
         },
         "log": {"level": "warning"},
         "cdi": {"dir": str(state_dir / "cdi-specs")},  # not the host's CDI directory
@@ -116,7 +128,7 @@ def remove_bench_objects(state_dir: Path) -> None:
     kernel = build_isolation(agent_config(state_dir), discover(gpus=False, fpgas=False), detect())
     if isinstance(kernel, KernelIsolation):
         kernel.isolator.remove_all()  # the uninstall path; no public wrapper yet
-    ApiGuard(LibNftables(), table_name(FIREWALL_TABLE)).remove()
+    ApiGuard(LibNftables(), table_name(own_names(state_dir)[3])).remove()
 
 
 # =========================================================================== latency
@@ -172,14 +184,31 @@ def rest_pairs(client: httpx.Client, runs: int) -> PairTimes:
     return time_pairs(runs, allocate, release)
 
 
-def agentclient_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
-    with AgentClient(daemon.url, daemon.token_file.read_text().strip()) as client:
+def agentclient_pairs(client: AgentClient, runs: int) -> PairTimes:
+    def allocate(name: str) -> str:
+        slot, _created = client.allocate({"name": f"ac-{name}", **PAIR_REQUEST})
+        return str(slot["id"])
 
-        def allocate(name: str) -> str:
-            slot, _created = client.allocate({"name": f"ac-{name}", **PAIR_REQUEST})
-            return str(slot["id"])
+    return time_pairs(runs, allocate, client.release)
 
-        return time_pairs(runs, allocate, client.release)
+
+def interleaved(
+    paths: dict[str, Callable[[int], PairTimes]], runs: int, block: int = 10
+) -> dict[str, PairTimes]:
+    """``runs`` pairs through each path, taken in turns of ``block`` pairs: on a shared host the
+    load drifts within seconds, and paths timed one after the other (the in-process calls first,
+    REST a minute later) compared the load of different minutes as much as the paths."""
+    rows = {name: PairTimes([], [], 0.0) for name in paths}
+    done = 0
+    while done < runs:
+        count = min(block, runs - done)
+        for name, run in paths.items():
+            times = run(count)
+            rows[name].allocate += times.allocate
+            rows[name].release += times.release
+            rows[name].elapsed += times.elapsed
+        done += count
+    return rows
 
 
 def cli_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
@@ -199,6 +228,15 @@ def cli_pairs(daemon: DaemonProcess, runs: int) -> PairTimes:
         run("release", slot_id)
 
     return time_pairs(runs, allocate, release)
+
+
+def http_parser() -> str:
+    """The HTTP/1.1 parser uvicorn serves the daemon's API with (the daemon runs this interpreter):
+    httptools where installed, else h11; it is a good part of the REST path's cost."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    name = AutoHTTPProtocol.__name__
+    return {"HttpToolsProtocol": "httptools", "H11Protocol": "h11"}.get(name, name)
 
 
 def ms(seconds: float) -> str:
@@ -523,25 +561,32 @@ def main() -> None:
         state = ensure_state_dir(work / "inproc")
         manager = build_manager(agent_config(state), discover(gpus=False, fpgas=False))
         manager.start()
-        try:
-            in_process_pairs(manager, min(20, args.runs))  # warm-up
-            rows["in-process"] = in_process_pairs(manager, args.runs)
-        finally:
-            manager.close()
-        remove_bench_objects(state)
-
         daemon = DaemonProcess(work, config_text())
-        client = daemon.start()
+        try:
+            client = daemon.start()
+        except BaseException:
+            manager.close()
+            raise
         prints: list[Footprint] = []
         try:
             prints.append(footprint("fresh, 0 slots", daemon.pid, daemon.state, 0, []))
-            rest_pairs(client, min(20, args.runs))  # warm-up
-            rows["rest"] = rest_pairs(client, args.runs)
-            agentclient_pairs(daemon, min(20, args.runs))  # warm-up
-            rows["rest-agentclient"] = agentclient_pairs(daemon, args.runs)
+            with AgentClient(daemon.url, daemon.token_file.read_text().strip()) as agent:
+                try:
+                    paths: dict[str, Callable[[int], PairTimes]] = {
+                        "in-process": lambda n: in_process_pairs(manager, n),
+                        "rest": lambda n: rest_pairs(client, n),
+                        "rest-agentclient": lambda n: agentclient_pairs(agent, n),
+                    }
+                    for run in paths.values():
+                        run(min(20, args.runs))  # warm-up
+                    rows.update(interleaved(paths, args.runs))
+                finally:
+                    manager.close()
+                    remove_bench_objects(state)  # its own names: the daemon's slots stay
             if args.cli_runs:
                 rows["cli"] = cli_pairs(daemon, args.cli_runs)
             print(latency_table(rows), flush=True)
+            print(f"(the daemon parses HTTP with {http_parser()})", flush=True)
             prints.append(
                 footprint("0 slots, after round trips", daemon.pid, daemon.state, args.idle_seconds, [])
             )

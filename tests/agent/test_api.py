@@ -588,3 +588,66 @@ def test_an_unknown_query_parameter_is_refused_with_what_the_operation_takes(cli
     assert status == 422
     assert "takes no query parameters" in message
     assert client.get("/v1/slots").status_code == 200
+
+
+# --------------------------------------------------------------------------- the fast lane
+
+
+def _answer(response: httpx.Response) -> tuple[int, dict[str, str], Any]:
+    headers = {k: v for k, v in response.headers.items() if k in ("location", "content-type", "retry-after")}
+    body = response.json() if response.content else None
+    if isinstance(body, dict):
+        body = {k: v for k, v in body.items() if k not in ("created_at", "updated_at")}
+    return response.status_code, headers, body
+
+
+def test_the_fast_lane_answers_allocate_and_release_as_fastapi_does() -> None:
+    # "application/json" exactly takes the lane; with a charset the same request goes through
+    # FastAPI's routing: every answer must be the same either way.
+    steps: list[tuple[str, str, Any]] = [
+        ("POST", "/v1/slots", GUARANTEED),
+        ("POST", "/v1/slots", GUARANTEED),  # the same again: 200
+        ("POST", "/v1/slots", {**GUARANTEED, "resources": {"cpus": 4}}),  # conflict
+        ("POST", "/v1/slots", {"name": "x", "qos": "guaranteed", "resources": {"cpus": 1e9}}),  # range
+        ("POST", "/v1/slots", {"name": "y", "qos": "bogus"}),  # refused by the model
+        ("POST", "/v1/slots", [1, 2]),
+        ("POST", "/v1/slots", {"name": "p", "pool": "mlp"}),  # a pool claim, no pools here
+        ("DELETE", "/v1/slots/nope", None),
+        ("DELETE", "/v1/slots/llm-a", None),
+        ("DELETE", "/v1/slots/llm-a", None),
+    ]
+    answers = {}
+    for content_type in ("application/json", "application/json; charset=utf-8"):
+        metrics = Metrics()
+        client = AppClient(create_app(FakeSlotService(), token=TOKEN, metrics=metrics), AUTH)
+        answers[content_type] = [
+            _answer(
+                client.request(
+                    method,
+                    path,
+                    content=None if body is None else json.dumps(body),
+                    headers={"Content-Type": content_type},
+                )
+            )
+            for method, path, body in steps
+        ]
+        rendered = metrics.render()[0].decode()
+        assert 'method="POST",route="/v1/slots",status="201"' in rendered
+        assert 'method="DELETE",route="/v1/slots/{slot_id}",status="204"' in rendered
+    lane, full = answers.values()
+    assert [a[0] for a in lane] == [201, 200, 409, 422, 422, 422, 422, 404, 204, 404]
+    for step, (one, other) in enumerate(zip(lane, full, strict=True)):
+        assert one[0] == other[0], steps[step]
+        assert one[2] == other[2], steps[step]
+        assert {k: v for k, v in one[1].items() if k != "content-type"} == {
+            k: v for k, v in other[1].items() if k != "content-type"
+        }, steps[step]
+
+
+def test_the_fast_lane_answers_a_service_that_is_not_ready_with_503(service: FakeSlotService) -> None:
+    service.is_ready = False
+    client = AppClient(create_app(service, token=TOKEN), AUTH)
+    response = client.post("/v1/slots", json=GUARANTEED)
+    assert error_of(response)[:2] == (503, "not_ready")
+    assert response.headers["retry-after"] == "1"
+    assert error_of(client.delete("/v1/slots/llm-a"))[:2] == (503, "not_ready")
