@@ -19,7 +19,8 @@ host's changing load weighs on each alike.
 Footprint of ``nodeagent serve`` and of its host keeper (the one process, besides the workers, that
 it starts): the daemon's RSS (VmRSS), the keeper's PSS (its pages shared with its pre-forked idle
 children counted once, between them) and idle CPU as % of one core (utime+stime from /proc/PID/stat
-over --idle-seconds with no API calls), fresh, with 0 slots after the round trips, and with --slots
+over --idle-seconds with no API calls; memory after it: past 30 s without a launch the keeper keeps
+one idle child of each kind instead of two), fresh, with 0 slots after the round trips, and with --slots
 best-effort slots (0.01 CPU, 8Mi) each running a minimal worker (``sleep infinity``, restart
 never). Targets: daemon RSS < 80 MB and idle CPU < 1% of a core; daemon RSS + keeper PSS (with its
 idle children) < 100 MB and daemon + keeper idle CPU < 0.5% of a core at 500 slots.
@@ -356,6 +357,9 @@ def footprint(
         own1, keeper1, t1 = cpu_seconds(daemon_pid), total_cpu(keeper), time.monotonic()
         cpu = 100 * (own1 - own0) / (t1 - t0)
         keeper_cpu = 100 * (keeper1 - keeper0) / (t1 - t0) if keeper else None
+        # The keeper's children as they are after the idle window: 30 s after the last launch it
+        # keeps one idle child of each kind instead of two (runtime/keeper_client.py).
+        keeper = keeper_processes(state_dir)
     return Footprint(
         label,
         rss_mb(daemon_pid),

@@ -11,7 +11,10 @@
 (``python -m nodeagent.runtime.keeper DIR``, which double-forks, so the keeper is never the agent's
 child; a lock in the directory keeps a second one from starting). It keeps ``idle_children``
 armed children in hand, so a launch is one write, one read to EOF and one close: no fork, no
-round trip through the keeper. It is the supervisor's Launcher (:meth:`launch` returns a
+round trip through the keeper. After ``rest_after`` seconds without a launch it keeps one of each
+kind only (a child prepared for the sandbox is ~4.6 MB of PSS, a plain one ~3.6 MB: at rest the
+extra ones are the agent's footprint, issue 23 item 7) and fills up again from the next launch,
+whose own child is still in hand. It is the supervisor's Launcher (:meth:`launch` returns a
 :class:`WorkerProcess`) and the handles' Watcher (:meth:`watch`).
 
 Keeper deaths: a thread waits on the keeper's pidfd; when the keeper dies it drops the armed
@@ -66,6 +69,8 @@ START_TIMEOUT = 30.0
 _GONE_TIMEOUT = 5.0
 #: Restarting a keeper that keeps failing to start: first retry after this, doubling to the max.
 _RETRY_FIRST, _RETRY_MAX = 0.5, 30.0
+#: How long without a launch before the idle children are cut to one of each kind.
+_REST_AFTER = 30.0
 #: The failure a child reports when the keeper died before the launch handed its request over.
 _KEEPER_LOST_STEP = b"hand the request to the keeper\0"
 #: Variables of the agent's own service manager that the keeper must not inherit.
@@ -201,16 +206,22 @@ class KeeperClient:
         python: str = sys.executable,
         idle_children: int = 2,
         placement: ProcessPlacement | None = None,
+        rest_after: float = _REST_AFTER,
     ) -> None:
         """``idle_children``: how many armed children wait in hand; two absorb a launch that
         follows another before the keeper has forked the next one. ``placement``: where the keeper
         (and through it every worker until it joins its slot) starts: under systemd, the delegated
         cgroup's ``keeper/`` leaf, outside the agent's unit, so that stopping the agent's unit never
-        takes the keeper with it; without one it starts in the agent's cgroup."""
+        takes the keeper with it; without one it starts in the agent's cgroup. ``rest_after``: seconds
+        without a launch after which one child of each kind is kept in hand instead."""
         self.directory = directory
         self._python = python
         self._placement = placement
         self._idle_children = max(1, idle_children)
+        self._rest_after = rest_after
+        self._last_launch = time.monotonic()
+        #: Resting: one child of each kind kept in hand (no launch for ``rest_after`` seconds).
+        self._resting = False
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._keeper: ProcessIdentity | None = None
@@ -284,6 +295,11 @@ class KeeperClient:
             )
         for attempt in (1, 2):
             with self._lock:
+                self._last_launch = time.monotonic()
+                if self._resting:
+                    self._resting = False  # the refill below arms up to idle_children again
+                    if self._wake_fd >= 0:
+                        os.eventfd_write(self._wake_fd, 1)  # the rest timer starts again
                 armed = self._take_armed(child_kind(req))
                 keeper = self._keeper
                 try:
@@ -552,8 +568,9 @@ class KeeperClient:
         if self._sock is None:
             return
         try:
+            wanted = 1 if self._resting else self._idle_children
             for kind in self._kept:
-                while len(self._armed[kind]) + self._pending[kind] < self._idle_children:
+                while len(self._armed[kind]) + self._pending[kind] < wanted:
                     self._send_arm(kind)
         except OSError:
             pass  # the next exchange finds the keeper gone and says so
@@ -602,8 +619,10 @@ class KeeperClient:
             poller.register(self._wake_fd, select.POLLIN)
             if pidfd >= 0:
                 poller.register(pidfd, select.POLLIN)
+            rest = self._rest_if_idle()
+            waits = [t for t in (retry, rest) if t is not None]
             try:
-                fired = {fd for fd, _ in poller.poll(None if retry is None else retry * 1000)}
+                fired = {fd for fd, _ in poller.poll(min(waits) * 1000 if waits else None)}
             finally:
                 if pidfd >= 0:
                     os.close(pidfd)
@@ -611,6 +630,27 @@ class KeeperClient:
                 os.eventfd_read(self._wake_fd)
             if pidfd in fired or retry is not None:
                 retry = self._replace_dead_keeper()
+
+    def _rest_if_idle(self) -> float | None:
+        """Cut the idle children to one of each kind once no launch came for ``rest_after``
+        seconds; returns the seconds until it is due (None: resting already, or closed)."""
+        with self._lock:
+            if self._closed or self._resting or self._sock is None:
+                return None
+            due = self._last_launch + self._rest_after - time.monotonic()
+            if due > 0:
+                return due
+            self._resting = True
+            try:
+                # Arms answered but not yet read are children too: read them first.
+                while any(self._pending.values()):
+                    self._receive_one()
+            except WorkerError:
+                return None  # the keeper is gone (disconnected): its children with it
+            for armed in self._armed.values():
+                while len(armed) > 1:
+                    armed.pop().close()  # it reads EOF instead of a request and exits
+            return None
 
     def _replace_dead_keeper(self) -> float | None:
         """Start a new keeper if the one we had is dead; seconds until the next try on failure."""

@@ -419,3 +419,30 @@ def test_status_pages_through_more_workers_than_a_message_holds(tmp_path, keeper
     status = keeper.status()
     assert status["total"] == 110
     assert sorted(w["pid"] for w in status["workers"]) == sorted(w.pid for w in kill_workers)
+
+
+@pytest.mark.root
+def test_idle_children_are_cut_to_one_at_rest_and_fill_up_at_the_next_launch(tmp_path, slot, kill_workers):
+    """No launch for ``rest_after`` seconds: one armed child is kept instead of two (each is
+    megabytes of PSS at rest) and the others exit; the next launch takes the one in hand and
+    fills up to two again."""
+    client = KeeperClient(tmp_path / "keeper", rest_after=0.5)
+    try:
+        client.connect()
+        worker = client.launch(make_request(tmp_path, slot, ["sleep", "300"]))
+        kill_workers.append(worker.identity)
+        worker.close()
+        in_hand = client.idle_children()
+        assert len(in_hand) == 2
+        wait_until("the rest", lambda: len(client.idle_children()) == 1)
+        (kept,) = client.idle_children()
+        for dropped in set(in_hand) - {kept}:
+            assert wait_gone(dropped)
+        worker = client.launch(make_request(tmp_path, slot, ["sleep", "300"]))
+        kill_workers.append(worker.identity)
+        worker.close()
+        refilled = client.idle_children()
+        assert len(refilled) == 2
+        assert kept not in refilled  # the launch took the kept one
+    finally:
+        stop_test_keeper(tmp_path / "keeper", client)
