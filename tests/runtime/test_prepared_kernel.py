@@ -19,25 +19,11 @@ from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.sandbox.mounts import MNT_DETACH, MS_PRIVATE, MS_SHARED, mount, umount
 from nodeagent.runtime.sandbox.spec import Exposed
 from tests.runtime.conftest import current_keeper, kill, make_request, wait_gone, wait_until
+from tests.runtime.sandbox.test_mounts_kernel import SAFE_DEV  # the /dev every sandbox has
 from tests.runtime.slotcg import V1Slot
 
 NOBODY = 65534
 SPEC = SandboxSpec(uid=NOBODY, gid=NOBODY)
-SAFE_DEV = {
-    "null",
-    "zero",
-    "full",
-    "random",
-    "urandom",
-    "tty",
-    "ptmx",
-    "pts",
-    "shm",
-    "fd",
-    "stdin",
-    "stdout",
-    "stderr",
-}
 
 
 def sandboxed(
