@@ -13,6 +13,7 @@ access to a MIG instance from ``/proc/driver/nvidia/capabilities/gpu<minor>/mig/
 
 from __future__ import annotations
 
+import ctypes
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -40,6 +41,24 @@ T = TypeVar("T")
 
 class GpuUnavailable(DiscoveryError):
     """NVML cannot run here: the NVIDIA library or kernel driver is missing. A normal state."""
+
+
+#: The library pynvml loads (on Linux).
+NVML_LIBRARY = "libnvidia-ml.so.1"
+NO_DRIVER = (
+    f"no NVIDIA driver: {NVML_LIBRARY} is not installed; install the NVIDIA driver if this host has GPUs"
+)
+
+
+def nvml_library_loadable(name: str = NVML_LIBRARY) -> bool:
+    """Whether the NVIDIA management library can be loaded here. Asked before pynvml is imported:
+    on a host without the driver the module (with what it imports) is ~1-3 MB of the daemon's
+    memory for nothing but the answer "no library"."""
+    try:
+        ctypes.CDLL(name)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +319,8 @@ class NvmlBackend:
     @property
     def nvml(self) -> Any:
         if self._nvml is None:
+            if not nvml_library_loadable():
+                raise GpuUnavailable(NO_DRIVER)
             try:
                 import pynvml  # noqa: PLC0415 - optional at import time, needed only here
             except ImportError as err:
@@ -323,10 +344,7 @@ class NvmlBackend:
         try:
             nvml.nvmlInit()
         except nvml.NVMLError_LibraryNotFound as err:
-            raise GpuUnavailable(
-                "no NVIDIA driver: libnvidia-ml.so.1 is not installed; "
-                "install the NVIDIA driver if this host has NVIDIA GPUs"
-            ) from err
+            raise GpuUnavailable(NO_DRIVER) from err
         except nvml.NVMLError_DriverNotLoaded as err:
             raise GpuUnavailable(
                 "the NVIDIA kernel driver is not loaded; run `modprobe nvidia` or check `dmesg` "

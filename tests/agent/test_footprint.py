@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.devices.gpu import nvml_library_loadable
+
 #: Heavy modules that a host whose slots have no network, GPUs' hotplug, or model never needs.
 NOT_AT_START = ("pyroute2", "pyudev", "numpy", "cpuinfo", "hypothesis", "jsonschema")
 
@@ -54,6 +56,8 @@ def test_start_up_does_not_load_what_it_does_not_use(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout.splitlines()[-1]))
     assert not loaded & set(NOT_AT_START), f"start-up loaded {sorted(loaded & set(NOT_AT_START))}"
+    if not nvml_library_loadable():  # a host without the NVIDIA driver: pynvml is not needed
+        assert "pynvml" not in loaded
 
 
 def test_an_agent_without_a_controller_does_not_load_httpx() -> None:
