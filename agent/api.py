@@ -752,7 +752,7 @@ class _FastLane:
                 return
             if method == "DELETE" and path.startswith("/v1/slots/"):
                 slot_id = path[len("/v1/slots/") :]
-                if len(slot_id) <= 63 and _SLOT_ID.match(slot_id):
+                if len(slot_id) <= 63 and _SLOT_ID.fullmatch(slot_id):
                     scope["route"] = self.release_route
                     await self._answer(scope, receive, send, self.hot.release, slot_id)
                     return
