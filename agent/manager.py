@@ -254,11 +254,6 @@ class SlotManager:
         """The kernel side this manager drives (the QoS loop acts on the same isolator)."""
         return self._isolation.backend
 
-    @property
-    def parts(self) -> SlotParts:
-        """The slot's parts, one owner per resource (agent/parts.py)."""
-        return self._parts
-
     def attach_qos(self, view: QosView | None) -> None:
         """Let the QoS loop (agent.qos_loop) add its view to slots and capacity and bound best-effort
         admission; None detaches it."""

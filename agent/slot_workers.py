@@ -86,10 +86,6 @@ class WorkersPart:
         #: The CPUs a pool's slots get (agent/pools.py), for its standbys' thread counts.
         self.pool_shape: Callable[[str], float | None] | None = None
 
-    @property
-    def runtime(self) -> WorkerRuntime:
-        return self._runtime
-
     # ------------------------------------------------------------------ before anything is placed
 
     def check(self, spec: WorkerSpec) -> None:
@@ -132,9 +128,6 @@ class WorkersPart:
     def tick_all(self) -> None:
         """Advance every supervisor once and record what changed (tests drive this)."""
         self._loop.tick_all()
-
-    def supervisor_of(self, slot_id: str) -> Supervisor | None:
-        return self._loop.get(slot_id)
 
     def alive(self) -> list[tuple[str, Supervisor]]:
         """The slots whose worker is alive now (starting, running or stopping), with its supervisor."""
