@@ -60,10 +60,18 @@ def test_start_up_does_not_load_what_it_does_not_use(tmp_path: Path) -> None:
         assert "pynvml" not in loaded
 
 
+def _run_clean(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (nothing imported yet), which asserts what it loaded."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_an_agent_without_a_controller_does_not_load_httpx() -> None:
     # The reporter's HTTP client (httpx, with httpcore, h11 and, where installed, rich and pygments
     # for its command line) is 3-5 MB of the daemon's RSS: only a configured controller loads it.
-    code = (
+    _run_clean(
         "import sys\n"
         "from nodeagent.agent.config import parse_config\n"
         "from nodeagent.agent import api, daemon\n"
@@ -71,10 +79,16 @@ def test_an_agent_without_a_controller_does_not_load_httpx() -> None:
         "loaded = sorted(m for m in ('httpx', 'httpcore', 'nodeagent.agent.reporter') if m in sys.modules)\n"
         "assert not loaded, loaded\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+
+
+def test_an_agent_without_the_plugins_does_not_load_grpc() -> None:
+    # grpc and protobuf are ~19 MB of the daemon's RSS: only [kubernetes] device_plugin loads them.
+    _run_clean(
+        "import sys\n"
+        "import nodeagent.agent.daemon, nodeagent.agent.api, nodeagent.cli\n"
+        "loaded = sorted(m for m in ('grpc', 'google.protobuf') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
     )
-    assert done.returncode == 0, done.stderr
 
 
 def test_the_api_parses_http_with_httptools() -> None:
