@@ -65,10 +65,14 @@ log = logging.getLogger("nodeagent.qos")
 
 #: Actions kept per slot for GET /v1/slots/{id} (and the heartbeat's slot summaries).
 RECENT_ACTIONS = 20
-#: The slot list is read again (and best-effort processes tended) at least this often even
-#: without a change notice: a safety net, since changes come with notices. At 500 slots the
-#: refresh and the tending are most of the loop's idle cost; at 10 s it was 0.3 % of a core.
+#: Best-effort processes are tended at least this often even without a change notice: a worker's
+#: own children inherit what tending gives it, but a process put into the slot from outside (a
+#: container runtime's, an operator's) does not. At 10 s it was 0.3 % of a core at 500 slots.
 REFRESH_SECONDS = 30.0
+#: The slot list is read again at least this often even without a change notice: a safety net
+#: only, since every change the loop follows (allocate, release, a worker's status) comes with a
+#: notice. Listing 500 slots was half of a 30 s refresh's cost (issue 23).
+RELIST_SECONDS = 300.0
 
 
 @dataclass
@@ -108,7 +112,8 @@ class QosLoop:
         self._priorities = 0
         self._infos: list[SlotInfo] = []
         self._dirty = True
-        self._refreshed_at = -REFRESH_SECONDS
+        self._listed_at = -RELIST_SECONDS
+        self._tended_at = -REFRESH_SECONDS
         self._evicted: dict[str, _Evicted] = {}
         # What API and scrape threads read (recent actions, evictions, counts) while the loop writes.
         self._views_lock = threading.Lock()
@@ -174,9 +179,9 @@ class QosLoop:
             self.periods += 1
 
     def _period(self) -> Decision:
-        refreshed = self._dirty or self._clock() - self._refreshed_at >= REFRESH_SECONDS
-        infos = self._slot_infos()
         now = self._clock()
+        tend_due = self._dirty or now - self._tended_at >= REFRESH_SECONDS
+        infos = self._slot_infos()
         priorities = self._priorities
         detail_due = self.periods % SLOT_DETAIL_EVERY == 0
         state = self._state
@@ -197,10 +202,11 @@ class QosLoop:
         best_effort = self._best_effort_ids
         for action in decision.actions:
             self._carry_out(action, best_effort)
-        if refreshed:
+        if tend_due:
             # Children inherit oom_score_adj and the resctrl group from the process they fork
             # from, so a worker's processes need tending when it starts (a change notice), and
-            # the periodic refresh catches what slipped between.
+            # the periodic tending catches what slipped between.
+            self._tended_at = now
             try:
                 self.actuator.tend(best_effort)
             except NodeAgentError as err:
@@ -215,10 +221,10 @@ class QosLoop:
 
     def _slot_infos(self) -> list[SlotInfo]:
         now = self._clock()
-        if not self._dirty and now - self._refreshed_at < REFRESH_SECONDS:
+        if not self._dirty and now - self._listed_at < RELIST_SECONDS:
             return self._infos
         self._dirty = False
-        self._refreshed_at = now
+        self._listed_at = now
         slots = self.manager.list_slots()
         # Where the host has resctrl, (re)make best-effort's group: a start's reconcile removes it
         # as an orphan, and a new exclusive slot group rewrites it.

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from nodeagent.agent.qos_loop import RECENT_ACTIONS, REFRESH_SECONDS, QosLoop
+from nodeagent.agent.qos_loop import RECENT_ACTIONS, REFRESH_SECONDS, RELIST_SECONDS, QosLoop
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.errors import CgroupError, NotFound, PlacementError
 from nodeagent.isolation.colocation import Action, ColocationConfig, GroupUsage, Sample
@@ -389,7 +389,13 @@ def test_slot_list_is_read_again_on_change_notices_only() -> None:
     step(loop, sampler, clock)
     assert calls == [1]
     assert len(actuator.tended) == tended + 1
-    clock.now += REFRESH_SECONDS  # and at least every REFRESH_SECONDS
+    clock.now += REFRESH_SECONDS  # processes are tended at least every REFRESH_SECONDS
+    step(loop, sampler, clock)
+    assert calls == [1]
+    assert len(actuator.tended) == tended + 2
+    step(loop, sampler, clock)
+    assert len(actuator.tended) == tended + 2
+    clock.now += RELIST_SECONDS  # and the list read again at least every RELIST_SECONDS
     step(loop, sampler, clock)
     assert calls == [1, 1]
 
