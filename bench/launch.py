@@ -33,6 +33,10 @@ namespace only, and the same limits as the slot.
 
     python bench/launch.py [--runs 200] [--gap-ms 50] [--profile]
 
+``--profile`` prints, per stage of nodeagent's path, the median wall time and, for a stage within
+one process, its CPU time (the launching child's, from its request to its exec, is the measure a
+loaded machine moves least).
+
 To compare with another checkout in the same conditions, run its bench.launch right before or
 after this one (``PYTHONPATH`` pointing at a tree of that checkout's packages).
 """
