@@ -327,8 +327,9 @@ class Prepared:
     sizes, the bounding set dropped whole, no_new_privs and the Landlock scope), done by an idle
     keeper child before any request exists: they are the same for every worker that keeps no
     capability, so they need not wait for one (a request asking for other sizes of /tmp or
-    /dev/shm, or for the host's, has the prepared one unmounted first). None of them takes a capability from the child's effective set, so the request's own
-    steps (joining cgroups and the netns, mounts, setuid) still work; they do take what no worker
+    /dev/shm, or for the host's, has the prepared one unmounted first). None of them takes a
+    capability from the child's effective set, so the request's own steps (joining cgroups and
+    the netns, mounts, setuid) still work; they do take what no worker
     of this kind gets back, so a prepared child serves only a request whose spec
     :func:`fits_prepared`. The child is used for one launch only and the namespaces are its own
     (unshared by it, never shared with another slot); the worker keeps them, as it would have

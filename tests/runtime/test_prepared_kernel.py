@@ -205,14 +205,13 @@ def _tmpfs_size(mountinfo: list[list[str]], point: str) -> str | None:
 
 @pytest.mark.root
 @pytest.mark.parametrize(
-    ("tmp_bytes", "shm_bytes"),
+    "sizes",
     [(256 << 20, 64 << 20), (8 << 20, 4 << 20), (None, None)],
     ids=["the-prepared-sizes", "other-sizes", "the-hosts"],
 )
-def test_the_prepared_tmp_and_shm_become_what_the_request_asks(
-    tmp_path, slot, keeper, kill_workers, tmp_bytes, shm_bytes
-):
+def test_the_prepared_tmp_and_shm_become_what_the_request_asks(tmp_path, slot, keeper, kill_workers, sizes):
     # The prepared child mounted a /tmp and a /dev/shm of the default sizes while it waited.
+    tmp_bytes, shm_bytes = sizes
     spec = SandboxSpec(uid=NOBODY, gid=NOBODY, tmp_bytes=tmp_bytes, shm_bytes=shm_bytes)
     prepared = set(_keep_prepared_children(tmp_path, slot, keeper))
     pid = _launch(keeper, sandboxed(tmp_path, slot, ["sleep", "60"], spec), kill_workers)
