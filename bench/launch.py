@@ -33,6 +33,10 @@ namespace only, and the same limits as the slot.
 
     python bench/launch.py [--runs 200] [--gap-ms 50] [--profile]
 
+``--profile`` prints, per stage of nodeagent's path, the median wall time and, for a stage within
+one process, its CPU time (the launching child's, from its request to its exec, is the measure a
+loaded machine moves least).
+
 To compare with another checkout in the same conditions, run its bench.launch right before or
 after this one (``PYTHONPATH`` pointing at a tree of that checkout's packages).
 """
@@ -143,7 +147,6 @@ def crun_bundle(where: Path) -> Path:
     }
     (where / "config.json").write_text(json.dumps(config))
     return where
-
 
 
 # --- the contenders ---------------------------------------------------------------------------------
@@ -282,18 +285,28 @@ def profile(runs: int, gap: float, work: Path) -> None:
 
 
 def print_stages(regime: str, trace: Path, stages: tuple[str, ...] = STAGES) -> None:
-    stamps: dict[str, dict[str, int]] = collections.defaultdict(dict)
+    """Median wall time per stage and, for a stage within one process (the child's, from its
+    request to its exec), its CPU time: the measure the shared machine's load does not move."""
+    stamps: dict[str, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
     for line in trace.read_text().splitlines():
-        launch_id, stage, ns = line.split()
+        launch_id, stage, ns, cpu_ns = line.split()
         if launch_id.startswith(regime.replace(" ", "_") + "-"):
-            stamps[launch_id][stage] = int(ns)
-    complete = [s for s in stamps.values() if len(s) == len(stages)][1:]  # the first one warms up
-    print(f"\nprofile, {regime} ({len(complete)} launches): median ms per stage")
+            stamps[launch_id][stage] = (int(ns), int(cpu_ns))
+    # The first launch warms up; extra stamps (a scratch one added to find a cost) are allowed.
+    complete = [s for s in stamps.values() if all(stage in s for stage in stages)][1:]
+    print(f"\nprofile, {regime} ({len(complete)} launches): median ms per stage (wall, CPU)")
     for start, end in itertools.pairwise(stages):
-        values = [(s[end] - s[start]) / 1e6 for s in complete]
-        print(f"  {start + ' -> ' + end:<32} {statistics.median(values):6.3f}")
-    total = [(s[stages[-1]] - s[stages[0]]) / 1e6 for s in complete]
-    print(f"  {'total':<32} {statistics.median(total):6.3f}")
+        print(f"  {start + ' -> ' + end:<32} {_median_ms(complete, start, end)}")
+    print(f"  {'total':<32} {_median_ms(complete, stages[0], stages[-1])}")
+    print(f"  {'child, request to exec':<32} {_median_ms(complete, 'child-woke', 'child-exec')}")
+
+
+def _median_ms(stamps: list[dict[str, tuple[int, int]]], start: str, end: str) -> str:
+    wall = statistics.median((s[end][0] - s[start][0]) / 1e6 for s in stamps)
+    if start.partition("-")[0] != end.partition("-")[0]:
+        return f"{wall:6.3f}"  # two processes: their CPU clocks do not compare
+    cpu = statistics.median((s[end][1] - s[start][1]) / 1e6 for s in stamps)
+    return f"{wall:6.3f} {cpu:6.3f}"
 
 
 def time_join(use_tasks: bool, gap: float) -> float:

@@ -181,7 +181,9 @@ def prepare_child(stdout_fd: int, stderr_fd: int, keep: Sequence[int], open_file
 
 
 class Trace:
-    """Debug stamps (CLOCK_MONOTONIC ns, comparable across processes) along the launch path.
+    """Debug stamps along the launch path: CLOCK_MONOTONIC ns (comparable across processes) and
+    the calling thread's CPU time in ns (comparable between stamps of one process: what a step
+    cost, whatever else the shared machine was running meanwhile).
 
     Off unless the keeper was started with NODEAGENT_LAUNCH_TRACE naming a file; used by
     ``bench/launch.py --profile`` to see where the time goes.
@@ -199,7 +201,8 @@ class Trace:
 
     def stamp(self, launch_id: str, stage: str) -> None:
         if self.fd is not None:
-            os.write(self.fd, f"{launch_id} {stage} {time.perf_counter_ns()}\n".encode())
+            line = f"{launch_id} {stage} {time.perf_counter_ns()} {time.thread_time_ns()}\n"
+            os.write(self.fd, line.encode())
 
 
 def _tell_keeper(keeper_fd: int, oom_kills: int, message: bytes) -> None:

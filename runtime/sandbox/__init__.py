@@ -34,10 +34,11 @@ before it execs the worker, in two calls around the identity switch:
     exec (through the init when there is a pid namespace: pidns.init_argv)
 
 Most of it does not depend on the request: an idle child armed for it runs :func:`prepare_sandbox`
-while it waits (steps 1, 4, 5, 7 without the slot's devices and /dev/shm, 10, and no_new_privs
-and the Landlock scope of 12), and the request then runs :meth:`Prepared.catch_up` (step 3 and a
-check that the view is the host's as of now) and :func:`enter_prepared_sandbox` (the rest of
-2-9b) instead of :func:`enter_sandbox`; only a spec that :func:`fits_prepared` takes such a child.
+while it waits (steps 1, 4, 5, 7 without the slot's devices, /tmp and /dev/shm of the default
+sizes, 10, and no_new_privs and the Landlock scope of 12), and the request then runs
+:meth:`Prepared.catch_up` (step 3 and a check that the view is the host's as of now) and
+:func:`enter_prepared_sandbox` (the rest of 2-9b, a /tmp or /dev/shm of another size replaced)
+instead of :func:`enter_sandbox`; only a spec that :func:`fits_prepared` takes such a child.
 See :class:`Prepared` and docs/sandbox.md for why that keeps every property.
 
 A pid namespace is not made here: the child must already be PID 1 of one, which is what
@@ -71,7 +72,14 @@ from nodeagent.runtime.sandbox._sys import (
     libc,
 )
 from nodeagent.runtime.sandbox.pidns import fork_into_new_pid_namespace, init_argv
-from nodeagent.runtime.sandbox.spec import DeviceNode, Exposed, PrivateDir, SandboxSpec
+from nodeagent.runtime.sandbox.spec import (
+    DEFAULT_SHM_BYTES,
+    DEFAULT_TMP_BYTES,
+    DeviceNode,
+    Exposed,
+    PrivateDir,
+    SandboxSpec,
+)
 from nodeagent.runtime.sandbox.support import SandboxSupport, missing_for, probe, probe_live
 
 _UNSHARE_FLAGS = {"mount": CLONE_NEWNS, "ipc": CLONE_NEWIPC, "uts": CLONE_NEWUTS, "cgroup": CLONE_NEWCGROUP}
@@ -117,16 +125,19 @@ def _last_capability() -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _filter(profile: str, allow: tuple[str, ...]) -> bytes | None:
-    return seccomp.filter_for(profile, allow)
+def _filter(profile: str, allow: tuple[str, ...]) -> seccomp.Installable | None:
+    program = seccomp.filter_for(profile, allow)
+    return None if program is None else seccomp.Installable(program)
 
 
 def warm_up(specs: tuple[SandboxSpec, ...] = ()) -> None:
     """Do, in the long-lived parent (the keeper) before it forks, what every child would otherwise
-    redo: read cap_last_cap and assemble the seccomp filters, for ``specs`` and the default."""
+    redo: read cap_last_cap, assemble the seccomp filters (for ``specs`` and the default) ready to
+    install, and make capset's arguments for a worker that keeps no capability."""
     _last_capability()
     landlock.abi()
     _filter("default", ())
+    caps.capset_arguments(0)
     seccomp.restricted_syscalls("default")
     for spec in specs:
         _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
@@ -252,9 +263,12 @@ def _mount_all(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bo
     _mount_request_part(spec, step, exposed)
 
 
-def _mount_request_part(spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bool]]) -> None:
-    """Steps 8-9b: what differs from worker to worker (sizes, the slot's paths)."""
-    if spec.tmp_bytes is not None:
+def _mount_request_part(
+    spec: SandboxSpec, step: _Steps, exposed: dict[str, tuple[int, bool]], *, tmp_mounted: bool = False
+) -> None:
+    """Steps 8-9b: what differs from worker to worker (sizes, the slot's paths). ``tmp_mounted``:
+    the private /tmp of the spec's size is in place already (prepared)."""
+    if spec.tmp_bytes is not None and not tmp_mounted:
         with step("private /tmp"):
             mounts.mount_tmpfs(mounts.TMP, spec.tmp_bytes)
     if spec.home is not None and spec.home_mount is not None:
@@ -281,8 +295,14 @@ def _mount_request_part(spec: SandboxSpec, step: _Steps, exposed: dict[str, tupl
 #: changes (the rest of the file system view depends on the request's sizes, slot and paths).
 PREPARED_NAMESPACES = frozenset(("mount", "ipc", "uts"))
 #: Where the prepared mounts cover the host's tree: a path shown again from there must be opened
-#: before they exist, so a spec exposing one is built from scratch.
+#: before they exist, so a spec exposing one is built from scratch. (The prepared /tmp is set aside
+#: instead when a path shown again lies there: :func:`_open_exposed_beside_prepared_tmp`.)
 _PREPARED_COVERS = ("/proc", "/dev")
+#: Sizes of the private /tmp and /dev/shm a prepared child mounts while it waits: the spec's
+#: defaults, which are the agent's ([sandbox] tmp_size, shm_size). A request asking for another
+#: size (or for the host's) has the prepared one replaced (unmounted).
+PREPARED_TMP_BYTES = DEFAULT_TMP_BYTES
+PREPARED_SHM_BYTES = DEFAULT_SHM_BYTES
 
 
 def fits_prepared(spec: SandboxSpec) -> bool:
@@ -303,11 +323,13 @@ def fits_prepared(spec: SandboxSpec) -> bool:
 
 class Prepared:
     """Steps 1, 4, 5, 7, 10 and the first half of 12 of the default sandbox (its namespaces, /proc,
-    the read-only cgroupfs, /dev without the slot's devices or /dev/shm, the bounding set dropped
-    whole, no_new_privs and the Landlock scope), done by an idle keeper child before any request
-    exists: they are the same for every worker that keeps no capability, so they need not wait
-    for one. None of them takes a capability from the child's effective set, so the request's own
-    steps (joining cgroups and the netns, mounts, setuid) still work; they do take what no worker
+    the read-only cgroupfs, /dev without the slot's devices, /dev/shm and /tmp of the default
+    sizes, the bounding set dropped whole, no_new_privs and the Landlock scope), done by an idle
+    keeper child before any request exists: they are the same for every worker that keeps no
+    capability, so they need not wait for one (a request asking for other sizes of /tmp or
+    /dev/shm, or for the host's, has the prepared one unmounted first). None of them takes a
+    capability from the child's effective set, so the request's own steps (joining cgroups and
+    the netns, mounts, setuid) still work; they do take what no worker
     of this kind gets back, so a prepared child serves only a request whose spec
     :func:`fits_prepared`. The child is used for one launch only and the namespaces are its own
     (unshared by it, never shared with another slot); the worker keeps them, as it would have
@@ -334,6 +356,7 @@ class Prepared:
         "host_mounts",
         "host_root",
         "host_uts",
+        "mount_tables",
         "own_mounts",
         "tops",
     )
@@ -341,8 +364,15 @@ class Prepared:
     def __init__(self) -> None:
         self.host_mnt = self.host_ipc = self.host_uts = self.host_root = self.cwd = -1
         self.host_dev = self.host_mounts = self.own_mounts = -1
-        #: st_dev of the prepared /proc, /dev and /dev/pts: still on top at the request?
+        #: st_dev of the prepared /proc, /dev, /dev/pts, /dev/shm and /tmp: still on top at the request?
         self.tops: tuple[int, ...] = ()
+        #: poll(2) on both mount tables, registered while waiting (a change shows as POLLPRI).
+        self.mount_tables: select.poll | None = None
+
+    @property
+    def tmp_device(self) -> int:
+        """st_dev of the prepared /tmp (the last of the prepared tops)."""
+        return self.tops[-1]
 
     def host_path(self, path: str) -> str:
         """``path`` relative to ``host_root`` (for ``dir_fd``): the host's file, not this view's."""
@@ -357,10 +387,8 @@ class Prepared:
         step = _Steps()
         with step("make / private"):
             mounts.make_private("/")
-        poller = select.poll()
-        for fd in (self.host_mounts, self.own_mounts):
-            poller.register(fd, select.POLLPRI)
-        if not poller.poll(0):
+        assert self.mount_tables is not None
+        if not self.mount_tables.poll(0):
             return True  # neither mount table changed since the preparation
         with step("compare the prepared view with the host's"):
             host = [m.mount_point for m in mounts.parse_mountinfo(_read_from_start(self.host_mounts))]
@@ -385,6 +413,7 @@ class Prepared:
         self.close()
 
     def close(self) -> None:
+        self.mount_tables = None
         for name in self.__slots__:
             fd = getattr(self, name)
             if isinstance(fd, int) and fd >= 0:
@@ -392,8 +421,9 @@ class Prepared:
                 setattr(self, name, -1)
 
 
-#: The mounts the preparation adds on top of the host's (mount points, as mountinfo lists them).
-_PREPARED_TOPS = ("/proc", "/dev", "/dev/pts")
+#: The mounts the preparation adds on top of the host's (mount points, as mountinfo lists them);
+#: /tmp last (Prepared.tmp_device).
+_PREPARED_TOPS = ("/proc", "/dev", "/dev/pts", mounts.DEV_SHM, mounts.TMP)
 
 
 def _top_devices() -> tuple[int, ...]:
@@ -434,8 +464,14 @@ def prepare_sandbox() -> Prepared | None:
         mounts.make_read_only(CGROUP_ROOT)
         prepared.host_dev = os.open("/dev", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         mounts.build_base_dev(prepared.host_dev)
+        # Empty until the worker writes: their pages are charged to the slot it will be in by then.
+        mounts.mount_tmpfs(mounts.DEV_SHM, PREPARED_SHM_BYTES)
+        mounts.mount_tmpfs(mounts.TMP, PREPARED_TMP_BYTES)
         prepared.tops = _top_devices()
         prepared.own_mounts = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        prepared.mount_tables = select.poll()
+        for fd in (prepared.host_mounts, prepared.own_mounts):
+            prepared.mount_tables.register(fd, select.POLLPRI)
     except (OSError, NodeAgentError):
         _abandon_or_exit(prepared)
         return None
@@ -487,27 +523,57 @@ def _abandon_or_exit(prepared: Prepared) -> None:
 
 def enter_prepared_sandbox(spec: SandboxSpec, prepared: Prepared) -> None:
     """:func:`enter_sandbox` for a child holding ``prepared`` (which must fit ``spec``, and has
-    caught up): only the request's own steps (hostname, the slot's devices, /dev/shm and /tmp of
-    its sizes, HOME, the hidden and exposed paths, private views and directories). Closes
-    ``prepared``; :func:`seal_sandbox` follows with ``prepared=True``. Raises SandboxStepError."""
+    caught up): only the request's own steps (hostname, the slot's devices, /dev/shm and /tmp
+    when the spec's sizes are not the prepared ones, HOME, the hidden and exposed paths, private
+    views and directories). Closes ``prepared``; :func:`seal_sandbox` follows with
+    ``prepared=True``. Raises SandboxStepError."""
     step = _Steps()
     if spec.hostname is not None:
         with step("sethostname"):
             hostname = spec.hostname.encode()
             check(libc.sethostname(hostname, len(hostname)), "sethostname")
     with step("open the paths to expose"):
-        exposed = mounts.open_exposed([(e.path, e.writable) for e in spec.expose])
+        exposed, tmp_prepared = _open_exposed_beside_prepared_tmp(spec, prepared.tmp_device)
     try:
         if spec.devices:
             with step("private /dev"):
                 mounts.add_devices(spec.devices, prepared.host_dev)
-        if spec.shm_bytes is not None:
+        if spec.shm_bytes != PREPARED_SHM_BYTES:
             with step("private /dev/shm"):
-                mounts.mount_tmpfs(mounts.DEV_SHM, spec.shm_bytes)
-        _mount_request_part(spec, step, exposed)
+                mounts.umount(mounts.DEV_SHM, mounts.MNT_DETACH)  # the private /dev's empty directory
+                if spec.shm_bytes is not None:
+                    mounts.mount_tmpfs(mounts.DEV_SHM, spec.shm_bytes)
+        tmp_mounted = tmp_prepared and spec.tmp_bytes == PREPARED_TMP_BYTES
+        if tmp_prepared and not tmp_mounted:
+            with step("private /tmp"):
+                mounts.umount(mounts.TMP, mounts.MNT_DETACH)  # the host's, or one of the spec's size next
+        _mount_request_part(spec, step, exposed, tmp_mounted=tmp_mounted)
     finally:
         mounts.close_exposed(exposed)
         prepared.close()
+
+
+def _open_exposed_beside_prepared_tmp(
+    spec: SandboxSpec, tmp_device: int
+) -> tuple[dict[str, tuple[int, bool]], bool]:
+    """The paths to show again, opened on the host's file system as :func:`enter_sandbox` opens
+    them (before its /tmp exists), and whether the prepared /tmp is still mounted. A path that
+    lies in /tmp (by its name or through a link) finds nothing in the prepared, empty one, or
+    finds that one: the prepared /tmp is then unmounted and they are opened again, and the
+    caller mounts the spec's /tmp after them, as without preparation."""
+    wanted = [(e.path, e.writable) for e in spec.expose]
+    if not wanted:
+        return {}, True
+    try:
+        exposed = mounts.open_exposed(wanted)
+    except OSError:
+        exposed = None
+    if exposed is not None and all(os.fstat(fd).st_dev != tmp_device for fd, _ in exposed.values()):
+        return exposed, True
+    if exposed is not None:
+        mounts.close_exposed(exposed)
+    mounts.umount(mounts.TMP, mounts.MNT_DETACH)
+    return mounts.open_exposed(wanted), False
 
 
 def switch_user(spec: SandboxSpec) -> None:
@@ -533,8 +599,9 @@ def seal_sandbox(spec: SandboxSpec, *, prepared: bool = False) -> None:
             check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
             landlock.scope_abstract_unix_sockets()
     with step(f"seccomp filter {spec.seccomp_profile!r}"):
-        program = _filter(spec.seccomp_profile, tuple(sorted(spec.seccomp_allow)))
+        allow = tuple(sorted(spec.seccomp_allow)) if spec.seccomp_allow else ()
+        program = _filter(spec.seccomp_profile, allow)
         if program is None:
             check(libc.prctl(seccomp.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         else:
-            seccomp.install(program)
+            program.install()

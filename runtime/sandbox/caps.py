@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -135,15 +136,25 @@ def keep_across_setuid() -> None:
 def set_capabilities(keep_mask: int, *, ambient: bool) -> None:
     """Effective = permitted = inheritable = ``keep_mask`` (capset(2), version 3); with ``ambient``
     also raise each into the ambient set, which is how a non-root process keeps one across exec."""
+    header, data = capset_arguments(keep_mask)
+    if libc.capset(header, data) == -1:  # the message is built only then, off the launch path
+        check(-1, f"capset({keep_mask:#x})")
+    if ambient:
+        for cap in _bits(keep_mask):
+            check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), f"raise ambient cap {cap}")
+
+
+@functools.lru_cache(maxsize=8)
+def capset_arguments(keep_mask: int) -> tuple[ctypes._Pointer[_CapHeader], ctypes.Array[_CapData]]:
+    """capset(2)'s two arguments for ``keep_mask``, made once: the keeper makes the empty set's
+    before it forks (sandbox.warm_up), so a launching child only passes them to the kernel, which
+    reads and never writes them."""
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = _CapDataPair()
     for index in range(2):
         word = (keep_mask >> (32 * index)) & 0xFFFFFFFF
         data[index].effective = data[index].permitted = data[index].inheritable = word
-    check(libc.capset(ctypes.byref(header), data), f"capset({keep_mask:#x})")
-    if ambient:
-        for cap in _bits(keep_mask):
-            check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), f"raise ambient cap {cap}")
+    return ctypes.pointer(header), data  # a pointer keeps its structure alive
 
 
 def _bits(mask: int) -> list[int]:

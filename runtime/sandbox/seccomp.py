@@ -297,16 +297,29 @@ class _SockFprog(ctypes.Structure):
     _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
 
+class Installable:
+    """A filter program with its ``struct sock_fprog`` built around it once (in the keeper, before
+    it forks): installing it in a launching child is then two prctl(2) calls, and no Python object
+    is made (nor a page of the keeper's copied) for it on the launch path."""
+
+    __slots__ = ("_address", "_buffer", "_fprog", "program")
+
+    def __init__(self, program: bytes) -> None:
+        if not program or len(program) % 8:
+            raise ValueError("a seccomp program is a non-empty sequence of 8-byte instructions")
+        self.program = program
+        self._buffer = ctypes.create_string_buffer(program, len(program))
+        self._fprog = _SockFprog(len(program) // 8, ctypes.addressof(self._buffer))
+        self._address = ctypes.addressof(self._fprog)
+
+    def install(self) -> None:
+        """Set no_new_privs (the kernel refuses a filter from an unprivileged task without it, and
+        it keeps set-id binaries from shedding the filter's effect) and install the program on the
+        calling thread. The filter is inherited by every child and kept across exec."""
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self._address, 0, 0), "prctl(PR_SET_SECCOMP)")
+
+
 def install(program: bytes) -> None:
-    """Set no_new_privs (the kernel refuses a filter from an unprivileged task without it, and it
-    keeps set-id binaries from shedding the filter's effect) and install ``program`` on the
-    calling thread. The filter is inherited by every child and kept across exec."""
-    if not program or len(program) % 8:
-        raise ValueError("a seccomp program is a non-empty sequence of 8-byte instructions")
-    buffer = ctypes.create_string_buffer(program, len(program))
-    prog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    check(
-        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0),
-        "prctl(PR_SET_SECCOMP)",
-    )
+    """Install ``program`` on the calling thread, no_new_privs first (see :meth:`Installable.install`)."""
+    Installable(program).install()

@@ -193,3 +193,61 @@ def test_a_host_mount_that_does_not_propagate_makes_the_child_build_its_view_afr
             _holds_only_stdio(pid)
             kill(kill_workers[-1])
             assert wait_gone(kill_workers[-1])
+
+
+def _tmpfs_size(mountinfo: list[list[str]], point: str) -> str | None:
+    """The size option of the tmpfs last mounted at ``point`` in the worker's view (None: none)."""
+    on_top = [m for m in mountinfo if m[4] == point]
+    if not on_top or _fstype(on_top[-1]) != "tmpfs":
+        return None
+    return next((o for o in on_top[-1][-1].split(",") if o.startswith("size=")), None)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize(
+    "sizes",
+    [(256 << 20, 64 << 20), (8 << 20, 4 << 20), (None, None)],
+    ids=["the-prepared-sizes", "other-sizes", "the-hosts"],
+)
+def test_the_prepared_tmp_and_shm_become_what_the_request_asks(tmp_path, slot, keeper, kill_workers, sizes):
+    # The prepared child mounted a /tmp and a /dev/shm of the default sizes while it waited.
+    tmp_bytes, shm_bytes = sizes
+    spec = SandboxSpec(uid=NOBODY, gid=NOBODY, tmp_bytes=tmp_bytes, shm_bytes=shm_bytes)
+    prepared = set(_keep_prepared_children(tmp_path, slot, keeper))
+    pid = _launch(keeper, sandboxed(tmp_path, slot, ["sleep", "60"], spec), kill_workers)
+    assert ProcessIdentity(pid, kill_workers[-1].start_time) in prepared
+    wait_until("the worker's exec", lambda: Path(f"/proc/{pid}/exe").resolve().name == "sleep")
+    mountinfo = _mountinfo(pid)
+    for point, size in (("/tmp", tmp_bytes), ("/dev/shm", shm_bytes)):
+        if size is not None:
+            assert _tmpfs_size(mountinfo, point) == f"size={size // 1024}k"
+    root = f"/proc/{pid}/root"
+    if tmp_bytes is None:  # the host's /tmp, with what the test left there
+        assert os.stat(f"{root}/tmp").st_dev == os.stat("/tmp").st_dev
+        assert Path(f"{root}{tmp_path}").is_dir()
+    if shm_bytes is None:  # the private /dev's empty directory, as without preparation
+        assert os.stat(f"{root}/dev/shm").st_dev == os.stat(f"{root}/dev").st_dev
+        assert os.listdir(f"{root}/dev/shm") == []
+
+
+@pytest.mark.root
+def test_a_path_shown_again_from_the_hosts_tmp_is_opened_before_the_private_tmp_covers_it(
+    tmp_path, slot, keeper, kill_workers
+):
+    assert str(tmp_path).startswith("/tmp/")  # pytest's base directory: the host's /tmp
+    hidden = tmp_path / "state"
+    (hidden / "view").mkdir(parents=True)
+    (hidden / "view" / "slot.json").write_text("the slot's\n")
+    spec = SandboxSpec(
+        uid=NOBODY, gid=NOBODY, hide_paths=(str(hidden),), expose=(Exposed(str(hidden / "view")),)
+    )
+    prepared = set(_keep_prepared_children(tmp_path, slot, keeper))
+    pid = _launch(keeper, sandboxed(tmp_path, slot, ["sleep", "60"], spec), kill_workers)
+    assert ProcessIdentity(pid, kill_workers[-1].start_time) in prepared
+    wait_until("the worker's exec", lambda: Path(f"/proc/{pid}/exe").resolve().name == "sleep")
+    root = f"/proc/{pid}/root"
+    # Shown again inside the worker's own /tmp, where the private /tmp left its place (as built
+    # without preparation); the rest of the host's /tmp is not there.
+    assert Path(f"{root}{hidden}/view/slot.json").read_text() == "the slot's\n"
+    assert _tmpfs_size(_mountinfo(pid), "/tmp") == f"size={(256 << 20) // 1024}k"
+    assert not Path(f"{root}{tmp_path}/run").exists()
