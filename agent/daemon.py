@@ -265,7 +265,7 @@ class SlotStats:
         manager = self._managers.get(cgroup)
         if manager is None:
             manager = self._managers[cgroup] = open_manager(self._host, cgroup)
-        return manager.stats()
+        return manager.stats(pids=False)  # /metrics shows no pid counts: one file fewer per slot
 
 
 def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:

@@ -35,11 +35,13 @@ here (:class:`SlotFamily`) rather than through prometheus-client's generic expos
 checks and escapes every label name of every sample: at 500 slots that path and its sample
 objects were half of a scrape (issue 23). The output is the same text, byte for byte (tested
 against prometheus-client's); label values are escaped as the format requires and values are
-formatted by prometheus-client's own ``floatToGoString``.
+formatted by prometheus-client's own ``floatToGoString``. A slot's two labels are escaped and
+joined once per scrape (:class:`SlotLabels`), not once for each of its ten or so samples.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
@@ -148,6 +150,18 @@ class _Families(Collector):
         return iter(self.families)
 
 
+class SlotLabels:
+    """A slot's ``name`` and ``slot`` label values, escaped, and the two as they appear in a sample
+    (``name="..",slot=".."``, the exposition's order): built once per slot and scrape."""
+
+    __slots__ = ("name", "pair", "slot")
+
+    def __init__(self, slot: Slot) -> None:
+        self.name = _label_value(slot.name)
+        self.slot = _label_value(slot.id)
+        self.pair = f'name="{self.name}",slot="{self.slot}"'
+
+
 class SlotFamily:
     """One family with a sample per slot (labels ``name``, ``slot`` and optionally one more),
     written as prometheus-client's ``generate_latest`` writes it (see the module docstring)."""
@@ -163,18 +177,30 @@ class SlotFamily:
         self._order = tuple(sorted(("name", "slot", *((extra_label,) if extra_label else ()))))
         self._lines: list[str] = []
 
-    def add(self, slot: Slot, value: float, extra: str = "") -> None:
-        values = {"name": slot.name, "slot": slot.id}
-        if self._extra is not None:
-            values[self._extra] = extra
-        labels = ",".join(f'{key}="{_label_value(values[key])}"' for key in self._order)
-        self._lines.append(f"{self.sample_name}{{{labels}}} {_go_float(value)}\n")
+    def add(self, labels: SlotLabels, value: float, extra: str = "") -> None:
+        if self._extra is None:
+            self._lines.append(f"{self.sample_name}{{{labels.pair}}} {_go_float(value)}\n")
+            return
+        values = {"name": labels.name, "slot": labels.slot, self._extra: _label_value(extra)}
+        text = ",".join(f'{key}="{values[key]}"' for key in self._order)
+        self._lines.append(f"{self.sample_name}{{{text}}} {_go_float(value)}\n")
 
     def text(self) -> str:
         return self._header + "".join(self._lines)
 
 
 def _go_float(value: float) -> str:
+    # Most per-slot figures are whole numbers that repeat from slot to slot and scrape to scrape
+    # (0 restarts, 0 OOM kills, phase 1, the same memory size): their text is remembered. Floats
+    # are not: 0.0 and -0.0 are equal keys with different texts.
+    if type(value) is int:
+        return _go_int(value)
+    text: str = floatToGoString(value)  # type: ignore[no-untyped-call]  # the library's, untyped
+    return text
+
+
+@functools.lru_cache(maxsize=1024)
+def _go_int(value: int) -> str:
     text: str = floatToGoString(value)  # type: ignore[no-untyped-call]  # the library's, untyped
     return text
 
@@ -205,12 +231,13 @@ class _ServiceCollector:
         if slots is None:
             return families, []
         families += _slot_counts(slots)
-        per_slot = _per_slot_metrics(slots)
+        labelled = [(slot, SlotLabels(slot)) for slot in slots]
+        per_slot = _per_slot_metrics(labelled)
         if self.stats_provider is not None:
             prepare = getattr(self.stats_provider, "prepare", None)
             if callable(prepare):
                 prepare(slots)
-            per_slot += _usage_metrics(slots, self.stats_provider, self.metrics.scrape_errors)
+            per_slot += _usage_metrics(labelled, self.stats_provider, self.metrics.scrape_errors)
         return families, per_slot
 
     def _section(self, name: str, build: Callable[[], list[Metric]]) -> list[Metric]:
@@ -287,7 +314,7 @@ def _slot_counts(slots: list[Slot]) -> list[Metric]:
     return [by_state, by_phase]
 
 
-def _per_slot_metrics(slots: list[Slot]) -> list[SlotFamily]:
+def _per_slot_metrics(slots: list[tuple[Slot, SlotLabels]]) -> list[SlotFamily]:
     worker_phase = SlotFamily(
         f"{PREFIX}_slot_worker_phase",
         "gauge",
@@ -312,14 +339,14 @@ def _per_slot_metrics(slots: list[Slot]) -> list[SlotFamily]:
         "gauge",
         "Foreign CPU time as a fraction of the slot's CPU capacity since the agent first measured it.",
     )
-    for slot in slots:
+    for slot, labels in slots:
         if slot.worker is not None:
-            restarts.add(slot, slot.worker.restarts)
-            worker_phase.add(slot, 1, str(slot.worker.phase))
+            restarts.add(labels, slot.worker.restarts)
+            worker_phase.add(labels, 1, str(slot.worker.phase))
         if slot.foreign_cpu is not None:
-            seconds.add(slot, slot.foreign_cpu.seconds)
-            irq.add(slot, slot.foreign_cpu.irq_seconds)
-            fraction.add(slot, slot.foreign_cpu.fraction)
+            seconds.add(labels, slot.foreign_cpu.seconds)
+            irq.add(labels, slot.foreign_cpu.irq_seconds)
+            fraction.add(labels, slot.foreign_cpu.fraction)
     return [worker_phase, restarts, seconds, irq, fraction]
 
 
@@ -373,7 +400,9 @@ def _kinds(figures: Any) -> list[tuple[str, float]]:
     ]
 
 
-def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) -> list[SlotFamily]:
+def _usage_metrics(
+    slots: list[tuple[Slot, SlotLabels]], provider: StatsProvider, errors: Counter
+) -> list[SlotFamily]:
     families = {
         "cpu": SlotFamily(f"{PREFIX}_slot_cpu_usage_seconds", "counter", "CPU time used by the slot."),
         "throttled_periods": SlotFamily(
@@ -390,7 +419,7 @@ def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) 
     }
     cpu, throttled_periods, throttled = families["cpu"], families["throttled_periods"], families["throttled"]
     memory, peak, oom_kills = families["memory"], families["peak"], families["oom_kills"]
-    for slot in slots:
+    for slot, labels in slots:
         try:
             stats = provider(slot.id)
         except NodeAgentError as err:
@@ -409,7 +438,7 @@ def _usage_metrics(slots: list[Slot], provider: StatsProvider, errors: Counter) 
             (oom_kills, stats.oom.oom_kill),
         ):
             if value is not None:
-                family.add(slot, value)
+                family.add(labels, value)
     return list(families.values())
 
 

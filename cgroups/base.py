@@ -112,7 +112,9 @@ class CgroupManager(ABC):
         """SIGKILL everything in the group and its children; returns once it is empty."""
 
     @abstractmethod
-    def stats(self) -> CgroupStats: ...
+    def stats(self, *, pids: bool = True) -> CgroupStats:
+        """The group's usage now. ``pids=False`` leaves pids.current unread (``pids_current`` None):
+        one file fewer per group for a caller that does not show it (the metrics scrape)."""
 
     @abstractmethod
     def oom_events(self) -> OomEvents: ...

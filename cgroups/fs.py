@@ -136,9 +136,19 @@ def resolve_file(root: Path, relpath: str | PurePosixPath) -> CgroupFile:
     return CgroupFile(str(resolve(root, relpath)))
 
 
+#: What :func:`read_checked` asks of the first read: more than any one-value or short keyed file
+#: holds, so that a read returning less was the whole file.
+SMALL_FILE_BYTES = 4096
+
+
 def read_checked(file: CgroupFile) -> str | None:
-    """Read a checked cgroup file (one read: these are small one-value files); None when the file
-    or its cgroup is gone. ``O_NOFOLLOW``: a symlink put in the file's place is refused."""
+    """Read a checked cgroup file; None when the file or its cgroup is gone. ``O_NOFOLLOW``: a
+    symlink put in the file's place is refused.
+
+    These are small one-value files, so a first read that returns less than it asked for is the
+    whole file and no second read waits for the end (kernfs answers a read from the one record it
+    formats; a regular file in a test tree ends there too): open, read and close, three system
+    calls instead of four (a scrape of 500 slots reads 2,500 files, issue 23)."""
     try:
         fd = os.open(file.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
@@ -146,8 +156,11 @@ def read_checked(file: CgroupFile) -> str | None:
             return None
         raise translate_os_error(f"reading {file.path}", err, CgroupError) from err
     try:
-        chunks = []
-        while chunk := os.read(fd, 4096):
+        data = os.read(fd, SMALL_FILE_BYTES)
+        if len(data) < SMALL_FILE_BYTES:
+            return data.decode()
+        chunks = [data]
+        while chunk := os.read(fd, SMALL_FILE_BYTES):
             chunks.append(chunk)
     except OSError as err:
         if err.errno in (errno.ENOENT, errno.ENODEV):  # the cgroup went away between open and read

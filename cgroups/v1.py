@@ -144,7 +144,7 @@ class V1Manager(CgroupManager):
     def kill(self, timeout: float = 5.0) -> None:
         self._kill_by_signal(timeout, can_freeze=self.has("freezer") and self.exists())
 
-    def stats(self) -> CgroupStats:
+    def stats(self, *, pids: bool = True) -> CgroupStats:
         # Each hierarchy's directory is checked once (cpu and cpuacct usually share one), and the
         # paths of the six files a scrape reads are kept as strings: a scrape of 500 slots reads
         # 3,000 files, and building their paths again cost as much as reading them (issue 23).
@@ -165,7 +165,7 @@ class V1Manager(CgroupManager):
             memory_current=_int_file(files, "memory.usage_in_bytes"),
             memory_peak=_int_file(files, "memory.max_usage_in_bytes"),
             oom=OomEvents(oom=None, oom_kill=_keyed_file(files, "memory.oom_control").get("oom_kill")),
-            pids_current=_int_file(files, "pids.current"),
+            pids_current=_int_file(files, "pids.current") if pids else None,
         )
 
     def _dirs(self, controllers: Iterable[str]) -> dict[str, fs.CgroupDir]:

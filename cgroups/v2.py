@@ -153,7 +153,7 @@ class V2Manager(CgroupManager):
             lambda: not self.subtree_pids(), timeout, f"cgroup {self.relpath} to empty after cgroup.kill"
         )
 
-    def stats(self) -> CgroupStats:
+    def stats(self, *, pids: bool = True) -> CgroupStats:
         # The directory is checked once, then its files are read by name (see fs.CgroupDir).
         if self._stats_dir is None:
             self._stats_dir = fs.resolve_dir(self._mount, self.relpath)
@@ -171,7 +171,7 @@ class V2Manager(CgroupManager):
             oom=OomEvents(None, None)
             if events is None
             else OomEvents(oom=values.get("oom", 0), oom_kill=values.get("oom_kill", 0)),
-            pids_current=_optional_int(directory, "pids.current"),
+            pids_current=_optional_int(directory, "pids.current") if pids else None,
         )
 
     def _int(self, name: str) -> int | None:

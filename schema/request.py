@@ -13,8 +13,10 @@ numbers or strings ("4Gi", "500m") and written back as numbers (:func:`request_t
 from __future__ import annotations
 
 import re
+import weakref
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import orjson
 from pydantic import (
     AfterValidator,
     BeforeValidator,
@@ -354,11 +356,36 @@ def parse_slot_request(obj: Any) -> SlotRequest:
 
 def request_to_dict(request: SlotRequest) -> dict[str, Any]:
     """The JSON form: every resource spelled out, the worker as the client gave it.
-    ``parse_slot_request(request_to_dict(r)) == r``."""
+    ``parse_slot_request(request_to_dict(r)) == r``.
+
+    A request is frozen, and a stored one is the same object from one listing of the slots to the
+    next: its form is dumped once and remembered as JSON text for as long as the request lives
+    (two pydantic dumps per slot were a third of GET /v1/slots at 500 slots, issue 23). Each call
+    still returns objects of its own, which callers may change (orjson parses the text ~5x faster
+    than the dumps)."""
+    remembered = _DUMPED.get(id(request))
+    if remembered is not None and remembered[0]() is request:
+        body: dict[str, Any] = orjson.loads(remembered[1])
+        return body
     body = request.model_dump(mode="json", exclude={"worker"})
     if request.worker is not None:
         body["worker"] = request.worker.model_dump(mode="json", exclude_unset=True)
+    _remember(request, body)
     return body
+
+
+#: id(request) -> (the request, weakly; its JSON form). The weak reference's callback drops the
+#: entry when the request goes, before its id can name another object.
+_DUMPED: dict[int, tuple[weakref.ref[SlotRequest], bytes]] = {}
+
+
+def _remember(request: SlotRequest, body: dict[str, Any]) -> None:
+    try:
+        text = orjson.dumps(body)
+    except TypeError:  # orjson's limits (integers past 64 bits): dumped again each time instead
+        return
+    key = id(request)
+    _DUMPED[key] = (weakref.ref(request, lambda _: _DUMPED.pop(key, None)), text)
 
 
 #: What a client's explicit ``memory: 0`` would mean, and why it is refused.

@@ -16,7 +16,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from nodeagent.agent.daemon import SlotStats
-from nodeagent.agent.metrics import Metrics, SlotFamily
+from nodeagent.agent.metrics import Metrics, SlotFamily, SlotLabels
 from nodeagent.agent.slot import Slot, SlotState
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from nodeagent.schema.request import parse_slot_request
@@ -130,5 +130,5 @@ def test_a_slot_family_is_written_as_prometheus_client_writes_it(
     samples = [(_slot(slot_id, name), value, extra_value) for slot_id, name, value, extra_value in rows]
     family = SlotFamily("nodeagent_x", kind, 'Help with a \\ backslash, "quotes" and\na newline.', extra)  # type: ignore[arg-type]
     for slot, value, extra_value in samples:
-        family.add(slot, value, extra_value)
+        family.add(SlotLabels(slot), value, extra_value)
     assert family.text() == _library_text(kind, samples, extra)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,24 @@ def test_a_checked_file_reads_afresh_and_none_once_gone(tmp_path: Path) -> None:
     assert fs.read_checked(file) is None
     with pytest.raises(CgroupError, match="refusing"):
         fs.resolve_file(root, "../outside")
+
+
+def test_a_checked_small_file_takes_one_read_and_a_long_one_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cg"
+    (root / "slot").mkdir(parents=True)
+    (root / "slot" / "cpu.stat").write_text("nr_periods 3\n")
+    long_text = "x" * (3 * fs.SMALL_FILE_BYTES + 5)
+    (root / "slot" / "memory.stat").write_text(long_text)
+    reads: list[int] = []
+    real_read = os.read
+
+    def counted(fd: int, n: int) -> bytes:
+        reads.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(fs.os, "read", counted)
+    assert fs.read_checked(fs.resolve_file(root, "slot/cpu.stat")) == "nr_periods 3\n"
+    assert len(reads) == 1  # a short first read was the whole file: no read to see the end
+    assert fs.read_checked(fs.resolve_file(root, "slot/memory.stat")) == long_text

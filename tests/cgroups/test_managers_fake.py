@@ -142,6 +142,13 @@ def test_v1_stats_read_every_hierarchy(tmp_path: Path) -> None:
     assert stats.oom.oom_kill == 3
 
 
+def test_v1_stats_without_pids_leave_pids_current_unread(tmp_path: Path) -> None:
+    host = v1_tree(tmp_path)
+    (tmp_path / "pids" / SLOT / "pids.current").write_text("unreadable\n")  # a read would raise
+    stats = open_manager(host, SLOT).stats(pids=False)
+    assert (stats.cpu_usage_ns, stats.memory_current, stats.pids_current) == (123456, 4096, None)
+
+
 def test_v1_device_rules_that_do_not_read_back_are_an_error(tmp_path: Path) -> None:
     # A fake devices.list does not change when written to: the read-back check must notice.
     manager = open_manager(v1_tree(tmp_path), SLOT)
@@ -241,6 +248,9 @@ def test_v2_stats_and_oom_events(tmp_path: Path) -> None:
     )  # fmt: skip
     assert (stats.memory_current, stats.memory_peak, stats.pids_current) == (4096, 8192, 3)
     assert (stats.oom.oom, stats.oom.oom_kill) == (2, 1)
+    (tmp_path / SLOT / "pids.current").write_text("unreadable\n")  # a read would raise
+    stats = manager.stats(pids=False)
+    assert (stats.cpu_usage_ns, stats.memory_current, stats.pids_current) == (7000, 4096, None)
 
 
 def test_v2_oom_watcher_reads_counts(tmp_path: Path) -> None:

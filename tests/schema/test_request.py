@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
 
 from nodeagent.errors import InvalidRequest
+from nodeagent.schema import request as request_module
 from nodeagent.schema.request import (
     NetworkRequest,
+    SlotRequest,
     format_quantity,
     format_quantity_short,
     parse_quantity,
@@ -239,3 +242,33 @@ def test_priority_orders_best_effort_and_defaults_to_zero() -> None:
     # A stored request from before the field existed reads back the same.
     assert request_to_dict(default)["priority"] == 0
     assert parse_slot_request(request_to_dict(default)) == default
+
+
+def test_a_requests_json_form_is_dumped_once_and_each_call_gets_objects_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    request = parse_slot_request(
+        {"name": "a", "qos": "burstable", "resources": {"cpus": 0.5}, "worker": {"command": ["x"]}}
+    )
+    first = request_to_dict(request)
+    monkeypatch.setattr(SlotRequest, "model_dump", _no_second_dump)
+    second = request_to_dict(request)
+    assert second == first
+    assert list(second) == list(first)  # the same keys in the same order: the same JSON
+    second["resources"]["cpus"] = 9
+    second["worker"]["command"].append("y")
+    assert request_to_dict(request) == first
+
+
+def test_a_remembered_json_form_goes_with_its_request() -> None:
+    request = parse_slot_request({"name": "a", "qos": "burstable"})
+    request_to_dict(request)
+    key = id(request)
+    assert key in request_module._DUMPED
+    del request
+    gc.collect()
+    assert key not in request_module._DUMPED
+
+
+def _no_second_dump(*_: Any, **__: Any) -> Any:
+    raise AssertionError("dumped again")
