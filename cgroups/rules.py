@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,7 +42,9 @@ class DeviceRule:
 
     def __str__(self) -> str:
         """The v1 devices.allow / devices.list form: ``c 1:3 rwm``, ``a *:* rwm``."""
-        return f"{self.type} {_num(self.major)}:{_num(self.minor)} {self.access}"
+        # Interned: every slot's applied state keeps its rules as text, nearly all of them the
+        # same default set, so each slot held its own copies of the same few strings.
+        return sys.intern(f"{self.type} {_num(self.major)}:{_num(self.minor)} {self.access}")
 
     @classmethod
     def parse(cls, text: str) -> DeviceRule:

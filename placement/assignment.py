@@ -36,7 +36,7 @@ class DeviceAssignment:
     exclusive: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Assignment:
     name: str
     qos: str

@@ -8,6 +8,7 @@ a refusal says what was asked, what is free and where. docs/placement.md explain
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import operator
@@ -347,7 +348,7 @@ class _Planner:
         return Assignment(
             name=self.request.name,
             qos=self.request.qos,
-            cpus=tuple(sorted(cpus)),
+            cpus=_sorted_ids(cpus),
             exclusive=self.request.guaranteed,
             cpu_quota_millis=quota,
             numa_nodes=tuple(sorted(node_set)),
@@ -523,7 +524,8 @@ class _Planner:
         groups = sorted({c[2][1] for c in cores if c[1] & picked})
         self.reasons.append(
             f"node {node}: {picked.bit_count()} CPUs as whole cores from L3 "
-            f"cache{'s' if len(groups) > 1 else ''} " + ",".join(map(str, groups))
+            f"cache{'s' if len(groups) > 1 else ''} "
+            + ",".join(map(str, groups))
             + ("; the cores serving the fewest interrupts first" if self.irq_load else "")
         )
         return ids_of(picked)
@@ -694,6 +696,13 @@ class _Planner:
 
 
 # =========================================================================== helpers
+
+
+@functools.lru_cache(maxsize=256)
+def _sorted_ids(cpus: frozenset[int]) -> tuple[int, ...]:
+    """One tuple per distinct CPU set: the slots on the shared pool (all of them, on a host of
+    best-effort workers) share it instead of each holding a copy of the pool's list."""
+    return tuple(sorted(cpus))
 
 
 def _covers(total: Sequence[int], need: Sequence[int]) -> bool:

@@ -21,7 +21,7 @@ def _sandbox_json(spec: SandboxSpec) -> dict[str, Any]:
     return spec.to_json()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LaunchRequest:
     launch_id: str
     argv: tuple[str, ...]

@@ -40,13 +40,13 @@ STOP_REQUESTED = "stop-requested"
 ORPHAN_GRACE_SECONDS = 2.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcessIdentity:
     pid: int
     start_time: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ExitRecord:
     """How a worker ended. ``code`` is set for a normal exit, ``signal`` when a signal ended it."""
 
@@ -115,7 +115,7 @@ class ExitRecord:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Custody:
     """What a keeper does for a worker besides waiting for it, kept in the state file so that a new
     keeper can carry on for a worker it did not start. Never the worker's argv or environment
@@ -296,6 +296,8 @@ class WorkerProcess:
     ``pidfd`` is -1 when the process was already gone (or its pid named a stranger) when we looked:
     then ``send_signal`` does nothing.
     """
+
+    __slots__ = ("_exit", "_keeper", "_notice", "_pidfd", "run_dir", "state")  # one per slot
 
     def __init__(self, state: WorkerState, run_dir: Path, pidfd: int, notice: int, keeper: Watcher) -> None:
         self.state = state

@@ -158,6 +158,8 @@ def slot_binding(applied: AppliedSlot | None) -> SlotBinding:
 class ManagedCgroup:
     """Supervision's view of a slot's cgroup (:class:`SlotCgroup`) over a cgroups manager."""
 
+    __slots__ = ("_manager",)  # one per slot
+
     def __init__(self, manager: CgroupManager) -> None:
         self._manager = manager
 
@@ -209,14 +211,21 @@ class SlotExecProbe:
     (runtime.md); the keeper's children already know how to enter a slot, and the keeper's custody
     gives the probe's exit status and ends its tree, also if the agent dies mid-probe."""
 
+    # One per worker, probes or not: its directory is kept as the text the requests carry.
+    __slots__ = ("_dir", "_keeper", "_numbers", "_prefix", "_template")
+
     def __init__(
-        self, template: LaunchRequest, keeper: KeeperClient, directory: Path, prefix: tuple[str, ...] = ()
+        self,
+        template: LaunchRequest,
+        keeper: KeeperClient,
+        directory: str | os.PathLike[str],
+        prefix: tuple[str, ...] = (),
     ) -> None:
         """``prefix``: put before the probe's argv (``podman exec <container>`` for a container
         worker, whose namespaces are the container's, not a sandbox the keeper can join)."""
         self._template = template
         self._keeper = keeper
-        self._dir = directory
+        self._dir = os.fspath(directory)
         self._prefix = prefix
         self._numbers = itertools.count(1)
 
@@ -231,8 +240,8 @@ class SlotExecProbe:
             self._template,
             launch_id=f"{self._template.launch_id}-probe-{next(self._numbers)}",
             argv=(*self._prefix, *probe.argv),
-            run_dir=str(self._dir / "run"),
-            log_dir=str(self._dir / "logs"),
+            run_dir=os.path.join(self._dir, "run"),
+            log_dir=os.path.join(self._dir, "logs"),
             join=join,
             end_slot_on_exit=False,
             stop_grace_seconds=0.0,
@@ -336,7 +345,9 @@ class KeeperRuntime:
             self._keeper,
             self._cgroup(applied),
             probe_host=probe_host,
-            exec_probe=SlotExecProbe(template, self._keeper, Path(template.run_dir).parent / "probe"),
+            exec_probe=SlotExecProbe(
+                template, self._keeper, os.path.join(os.path.dirname(template.run_dir), "probe")
+            ),
         )
 
     def _container_supervisor(
