@@ -32,7 +32,13 @@ def test_follow_json_and_logs_after_release(daemon: Daemon) -> None:
     assert client.post("/v1/slots", json=request).status_code == 201
     slot = wait_for_phase(client, "natest-logs", "running")
     daemon.remember(slot)
-    wait_until("some output", lambda: len(client.get("/v1/slots/natest-logs/logs").json()["lines"]) >= 4)
+
+    def lines_so_far() -> int:
+        answer = client.get("/v1/slots/natest-logs/logs")
+        assert answer.status_code == 200, f"logs of a running worker: {answer.status_code} {answer.text}"
+        return len(answer.json()["lines"])
+
+    wait_until("some output", lambda: lines_so_far() >= 4)
 
     argv = [*nodeagent_argv(), "slots", "--api", daemon.url, "--token-file", str(daemon.token_file)]
     follower = subprocess.Popen(
