@@ -6,6 +6,7 @@ CPU is held twice."""
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +36,9 @@ MANAGER = SlotManager(
     FakeRuntime(World()),
 )
 MANAGER.start(supervise=False)
+# A run that collects this module without running it (a focused run, --collect-only) still
+# removes what the import made.
+atexit.register(shutil.rmtree, STATE, ignore_errors=True)
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(MANAGER, token=TOKEN))
 
 
