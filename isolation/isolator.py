@@ -779,9 +779,8 @@ class SlotIsolator:
             resctrl_tasks=None if resctrl_group is None else str(self.resctrl.root / resctrl_group / "tasks"),
         )
 
-    def _candidate_paths(self, slot_id: str) -> list[str]:
-        classes: tuple[QosClass, ...] = ("guaranteed", "burstable", "best-effort")
-        return [self.hierarchy.slot_path(slot_id, qos) for qos in classes]
+    def _candidate_paths(self, slot_id: str) -> tuple[str, ...]:
+        return self.hierarchy.candidate_paths(slot_id)
 
     def _has_network(self, slot_id: str) -> bool:
         config = self.config.network

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent.cgroups import DEFAULT_PARENT, DeviceRule, Hierarchy
+from nodeagent.cgroups.hierarchy import check_slot_name
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.devices import GPU_CONTROL_NODES, SAFE_DEVICES
 from nodeagent.isolation.network import (
@@ -82,7 +83,7 @@ class SlotIsolationSpec:
 
     def __post_init__(self) -> None:
         validate_slot_id(self.slot_id)
-        Hierarchy().slot_path(self.slot_id, "guaranteed")  # rejects the class parents' names
+        check_slot_name(self.slot_id)  # rejects the class parents' names
         if self.qos not in QOS_CLASSES:
             raise InvalidRequest(
                 f"slot {self.slot_id}: unknown QoS class {self.qos!r}; use one of {', '.join(QOS_CLASSES)}"
