@@ -90,7 +90,8 @@ Undo = Callable[[], object]
 Frozen = Literal["gone", "empty", "thawed", "frozen"]
 
 
-@dataclass(frozen=True)
+# Slotted: each slot's record holds one for the slot's life.
+@dataclass(frozen=True, slots=True)
 class AppliedSlot:
     """What the isolator built for a slot: what the launcher needs, and what the agent stores.
 

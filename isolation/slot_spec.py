@@ -26,7 +26,8 @@ from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosDefaults
 from nodeagent.isolation.resctrl import DEFAULT_ROOT as RESCTRL_ROOT
 
 
-@dataclass(frozen=True)
+# Slotted: one per slot with a network, inside its SlotIsolationSpec.
+@dataclass(frozen=True, slots=True)
 class SlotNetworkSpec:
     """A network namespace of the slot's own; ``bandwidth_mbit`` shapes its egress.
 
@@ -48,7 +49,8 @@ class SlotNetworkSpec:
         return SlotAccess(self.egress, self.host_ports)
 
 
-@dataclass(frozen=True)
+# Slotted: the isolation part keeps one per slot (derived once per change).
+@dataclass(frozen=True, slots=True)
 class SlotIsolationSpec:
     """One slot's isolation, as decided by placement.
 

@@ -42,7 +42,7 @@ _MAX_MINOR = (1 << 20) - 1
 _MAX_HOSTNAME = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeviceNode:
     """A device node to expose in the worker's private /dev (numbers as on the host)."""
 
@@ -74,7 +74,7 @@ class DeviceNode:
         _check_id(self.gid, f"{where}: owner gid")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Exposed:
     """A host path inside a hidden directory that the worker sees again, at the same place: its
     slot file, HOME and TMPDIR live under the agent's state directory, which is hidden whole."""
@@ -83,7 +83,7 @@ class Exposed:
     writable: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrivateDir:
     """A tmpfs of the worker's own at ``path`` (its HOME, /run/lock): private to the slot, at most
     ``size`` bytes, its pages charged to the slot's memory cgroup, gone with the worker's mount
@@ -96,7 +96,8 @@ class PrivateDir:
     gid: int = 0
 
 
-@dataclass(frozen=True)
+# Slotted, like the records in it: each slot's launch request keeps one of its own.
+@dataclass(frozen=True, slots=True)
 class SandboxSpec:
     """One worker's sandbox. Sizes are bytes; ``None`` for /tmp or /dev/shm keeps the host's."""
 
