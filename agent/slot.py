@@ -47,7 +47,8 @@ HOLDING = frozenset(
 Desired = Literal["running", "stopped"]
 
 
-@dataclass(frozen=True)
+# Slotted: the store keeps one per slot for the slot's life (no __dict__ each).
+@dataclass(frozen=True, slots=True)
 class Slot:
     id: str
     name: str
@@ -126,7 +127,8 @@ class Slot:
         }
 
 
-@dataclass(frozen=True)
+# Slotted: the store keeps one per slot.
+@dataclass(frozen=True, slots=True)
 class Worker:
     """A slot's worker as stored: its spec (the client's, presets not yet applied), what the operator
     wants of it, and its last known status."""

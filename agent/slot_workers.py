@@ -26,7 +26,7 @@ from nodeagent.agent.state import StateStore
 from nodeagent.agent.translate import slot_description
 from nodeagent.errors import Conflict, InsufficientStorage, InvalidRequest, WorkerError
 from nodeagent.runtime.limits import RlimitCeilings
-from nodeagent.runtime.presets import FindProgram, bind_address, resolve
+from nodeagent.runtime.presets import FindProgram, bind_address, only_argv_resolved, resolve
 from nodeagent.runtime.supervision import SupervisionLoop
 from nodeagent.runtime.supervisor import ALIVE_PHASES, Phase, Supervisor, WorkerStatus
 from nodeagent.runtime.worker_kind import kind_of, slot_kind
@@ -170,7 +170,12 @@ class WorkersPart:
             isolated = self._isolation.spec(slot)
             devices = slot_device_paths(isolated.device_paths, isolated.gpu)
             sandbox = self._sandbox.spec_for(resolved, uid=uid, devices=devices)
-        return self._runtime.supervisor(description, slot.applied, resolved, sandbox)
+        supervisor = self._runtime.supervisor(description, slot.applied, resolved, sandbox)
+        if only_argv_resolved(spec, resolved):
+            # The launch request carries the resolved argv; the rest is the client's spec, which
+            # the slot's request and worker row hold already: one spec per slot, not two.
+            supervisor.spec = spec
+        return supervisor
 
     def launch(self, slot: Slot, spec: WorkerSpec) -> None:
         """Start ``spec``'s worker in ``slot`` and supervise it (its row is already stored)."""

@@ -55,6 +55,13 @@ class Hierarchy:
     def slot_path(self, name: str, qos: QosClass) -> str:
         return _slot_path(self, name, qos)
 
+    def candidate_paths(self, name: str) -> tuple[str, ...]:
+        """Where a slot named ``name`` would be in each class (to find it whatever its class).
+        Checked each time and not kept: only a slot's own class is asked for again and again, and
+        :meth:`slot_path`'s cache would hold the other two for every slot (issue 23)."""
+        check_slot_name(name)
+        return tuple(f"{self.class_parent(qos)}/{name}" for qos in ("guaranteed", "burstable", "best-effort"))
+
     def parents(self) -> tuple[str, ...]:
         """The agent parent and the class parents, top first."""
         return (self.parent, *(f"{self.parent}/{d}" for d in CLASS_DIRS.values()))
@@ -65,10 +72,16 @@ def _slot_path(hierarchy: Hierarchy, name: str, qos: QosClass) -> str:
     """A slot's cgroup path, checked once per slot: the QoS loop and the host's cpuset sync ask
     for every best-effort slot's path, and checking 500 names each time was a tenth of their cost
     (issue 23). A refused name raises and is not kept."""
+    check_slot_name(name)
+    return f"{hierarchy.class_parent(qos)}/{name}"
+
+
+def check_slot_name(name: str) -> str:
+    """A slot's cgroup directory name: a valid name that no class parent has."""
     validate_name(name)
     if name in CLASS_DIRS.values():
         raise InvalidRequest(f"slot name {name!r} is reserved for a QoS class parent; choose another")
-    return f"{hierarchy.class_parent(qos)}/{name}"
+    return name
 
 
 def ensure_parents(host: CgroupHost, hierarchy: Hierarchy) -> list[CgroupManager]:

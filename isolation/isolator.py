@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import ipaddress
 import socket
 import threading
@@ -90,7 +91,8 @@ Undo = Callable[[], object]
 Frozen = Literal["gone", "empty", "thawed", "frozen"]
 
 
-@dataclass(frozen=True)
+# Slotted: each slot's record holds one for the slot's life.
+@dataclass(frozen=True, slots=True)
 class AppliedSlot:
     """What the isolator built for a slot: what the launcher needs, and what the agent stores.
 
@@ -768,7 +770,7 @@ class SlotIsolator:
             cgroup_version=manager.version,
             procs_files=tuple(str(p) for p in manager.procs_files()),
             oom_events=_oom_events_file(manager),
-            cpus=cpus,
+            cpus=_one_cpuset(cpus),
             mems=spec.mems,
             memory_max=params.memory_max,
             sched_idle=params.sched_idle,
@@ -779,9 +781,8 @@ class SlotIsolator:
             resctrl_tasks=None if resctrl_group is None else str(self.resctrl.root / resctrl_group / "tasks"),
         )
 
-    def _candidate_paths(self, slot_id: str) -> list[str]:
-        classes: tuple[QosClass, ...] = ("guaranteed", "burstable", "best-effort")
-        return [self.hierarchy.slot_path(slot_id, qos) for qos in classes]
+    def _candidate_paths(self, slot_id: str) -> tuple[str, ...]:
+        return self.hierarchy.candidate_paths(slot_id)
 
     def _has_network(self, slot_id: str) -> bool:
         config = self.config.network
@@ -794,6 +795,13 @@ class SlotIsolator:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+@functools.lru_cache(maxsize=64)
+def _one_cpuset(cpus: frozenset[int]) -> frozenset[int]:
+    """One frozenset per distinct cpuset: every slot on the shared pool keeps the pool's CPUs in
+    its record, the same set, which need not be a copy of its own (~200 bytes each)."""
+    return cpus
 
 
 def _oom_events_file(manager: CgroupManager) -> str | None:

@@ -205,7 +205,8 @@ class SlotAccess:
         )
 
 
-@dataclass(frozen=True)
+# Slotted: one per slot with a network, in its AppliedSlot.
+@dataclass(frozen=True, slots=True)
 class SlotNetwork:
     """What :meth:`NetworkBackend.setup` built for a slot (stored with the slot's state).
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent.cgroups import DEFAULT_PARENT, DeviceRule, Hierarchy
+from nodeagent.cgroups.hierarchy import check_slot_name
 from nodeagent.errors import ConfigError, InvalidRequest
 from nodeagent.isolation.devices import GPU_CONTROL_NODES, SAFE_DEVICES
 from nodeagent.isolation.network import (
@@ -25,7 +26,8 @@ from nodeagent.isolation.qos import QOS_CLASSES, QosClassName, QosDefaults
 from nodeagent.isolation.resctrl import DEFAULT_ROOT as RESCTRL_ROOT
 
 
-@dataclass(frozen=True)
+# Slotted: one per slot with a network, inside its SlotIsolationSpec.
+@dataclass(frozen=True, slots=True)
 class SlotNetworkSpec:
     """A network namespace of the slot's own; ``bandwidth_mbit`` shapes its egress.
 
@@ -47,7 +49,8 @@ class SlotNetworkSpec:
         return SlotAccess(self.egress, self.host_ports)
 
 
-@dataclass(frozen=True)
+# Slotted: the isolation part keeps one per slot (derived once per change).
+@dataclass(frozen=True, slots=True)
 class SlotIsolationSpec:
     """One slot's isolation, as decided by placement.
 
@@ -82,7 +85,7 @@ class SlotIsolationSpec:
 
     def __post_init__(self) -> None:
         validate_slot_id(self.slot_id)
-        Hierarchy().slot_path(self.slot_id, "guaranteed")  # rejects the class parents' names
+        check_slot_name(self.slot_id)  # rejects the class parents' names
         if self.qos not in QOS_CLASSES:
             raise InvalidRequest(
                 f"slot {self.slot_id}: unknown QoS class {self.qos!r}; use one of {', '.join(QOS_CLASSES)}"

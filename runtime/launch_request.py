@@ -7,18 +7,11 @@ environment. The child and the keeper never look anything up; they only carry it
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.runtime.logs import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from nodeagent.runtime.sandbox.spec import SandboxSpec
-
-
-@functools.lru_cache(maxsize=256)
-def _sandbox_json(spec: SandboxSpec) -> dict[str, Any]:
-    """A spec's JSON form; never changed by its users (they only serialise it)."""
-    return spec.to_json()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +66,13 @@ class LaunchRequest:
     end_slot_on_exit: bool = True
 
     def to_json(self) -> dict[str, Any]:
-        # Shallow (json.dumps reads tuples as lists), and the sandbox's form computed once per spec:
-        # dataclasses.asdict's deep copy of a sandboxed request cost ~0.1 ms on every launch.
+        # Shallow (json.dumps reads tuples as lists), the sandbox's too: dataclasses.asdict's deep
+        # copy of a sandboxed request cost ~0.1 ms on every launch.
         body = {name: getattr(self, name) for name in _FIELDS}
         if self.cgroup_leaf is None:
             del body["cgroup_leaf"]  # what a keeper older than the field reads unchanged
         if self.sandbox is not None:
-            body["sandbox"] = _sandbox_json(self.sandbox)
+            body["sandbox"] = self.sandbox.to_json()
         return body
 
     @classmethod

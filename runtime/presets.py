@@ -410,6 +410,23 @@ def resolve(
     return bind(spec.model_copy(update=update), numbers)
 
 
+#: What :func:`resolve` may change that only the launch request carries (the argv it runs).
+_ARGV_FIELDS = frozenset({"command", "args"})
+
+
+def only_argv_resolved(spec: WorkerSpec, resolved: WorkerSpec) -> bool:
+    """Whether ``resolved`` (:func:`resolve`'s result for ``spec``) differs from ``spec`` in its
+    argv alone: the program's absolute path, the args folded in. Then everything a supervisor
+    reads of its spec after the launch request is built (probes, restart and stop policy) is the
+    same in both, and it can keep ``spec``, which the slot's records hold anyway, instead of a
+    second copy per slot."""
+    return resolved is spec or all(
+        getattr(spec, name) == getattr(resolved, name)
+        for name in type(spec).model_fields
+        if name not in _ARGV_FIELDS
+    )
+
+
 __all__ = [
     "EVERY_ADDRESS",
     "LOOPBACK",
@@ -420,6 +437,7 @@ __all__ = [
     "bind_address",
     "check_model_files",
     "find_program",
+    "only_argv_resolved",
     "preview_ports",
     "resolve",
     "wanted_ports",

@@ -632,6 +632,21 @@ def test_worker_start_stop_and_restart_policy(make: Any, world: World) -> None:
     ]
 
 
+def test_a_supervisor_keeps_the_clients_spec_unless_resolving_changed_more_than_argv(
+    make: Any, world: World
+) -> None:
+    manager = make()
+    plain = manager.allocate(parse_slot_request({**guaranteed("plain", cpus=1), "worker": WORKER})).slot
+    served = {"command": ["/bin/srv", "--port={port:http}"], "ports": {"http": {}}}
+    port = manager.allocate(parse_slot_request({**guaranteed("port", cpus=1), "worker": served})).slot
+    supervisors = dict(manager._workers.alive())
+    # One spec per slot where one serves: the request's own object, not a copy.
+    assert supervisors[plain.id].spec is plain.request.worker
+    # A port's number is the resolved spec's: the supervisor keeps that one.
+    assert supervisors[port.id].spec is not port.request.worker
+    assert "NODEAGENT_PORT_HTTP" in supervisors[port.id].spec.env
+
+
 def test_stop_worker(make: Any, world: World) -> None:
     manager = make()
     slot = manager.allocate(parse_slot_request({**guaranteed(), "worker": WORKER})).slot

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cgroups import Hierarchy, list_owned
+from nodeagent.cgroups import hierarchy as hierarchy_module
 from nodeagent.cgroups.detect import CgroupHost
 from nodeagent.cgroups.hierarchy import validate_name
 from nodeagent.errors import InvalidRequest
@@ -34,6 +35,22 @@ def test_bad_names_are_refused(name: str) -> None:
 def test_class_names_are_reserved_for_slots() -> None:
     with pytest.raises(InvalidRequest, match="reserved"):
         Hierarchy().slot_path("burstable", "guaranteed")
+
+
+def test_a_slots_candidate_paths_are_every_class_and_not_kept() -> None:
+    layout = Hierarchy("cand.slice")
+    assert layout.candidate_paths("web") == (
+        "cand.slice/web",
+        "cand.slice/burstable/web",
+        "cand.slice/best-effort/web",
+    )
+    # The cache of slot paths holds a slot's own class only (asked for again and again), not the
+    # two others each apply looks at once.
+    cached = hierarchy_module._slot_path.cache_info().currsize
+    layout.candidate_paths("api")
+    assert hierarchy_module._slot_path.cache_info().currsize == cached
+    with pytest.raises(InvalidRequest, match="reserved"):
+        layout.candidate_paths("best-effort")
 
 
 def test_unknown_class_is_refused() -> None:

@@ -321,6 +321,15 @@ def test_new_shared_slots_start_on_the_pool_only(isolator: SlotIsolator, start_i
 
 
 @pytest.mark.root
+def test_shared_slots_keep_one_cpuset_between_them(isolator: SlotIsolator) -> None:
+    first = isolator.apply(burstable("one"))
+    second = isolator.apply(burstable("two"))
+    # The pool's CPUs, one set for every shared slot's record rather than a copy each.
+    assert first.cpus == second.cpus
+    assert first.cpus is second.cpus
+
+
+@pytest.mark.root
 def test_resize_moves_the_exclusive_cpu_and_the_pool_follows(
     isolator: SlotIsolator, host: CgroupHost, start_in
 ) -> None:

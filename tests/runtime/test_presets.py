@@ -13,7 +13,7 @@ import pytest
 from nodeagent.errors import InvalidRequest
 from nodeagent.runtime.env import DEFAULT_PATH, SlotDescription
 from nodeagent.runtime.launch import SlotBinding, build_launch_request
-from nodeagent.runtime.presets import find_program, resolve
+from nodeagent.runtime.presets import find_program, only_argv_resolved, resolve
 from nodeagent.schema.worker import WorkerSpec, parse_worker_spec
 
 PORTS = {"http": 21000, "grpc": 21001, "metrics": 21002, "management": 21003, "grpc_management": 21004}
@@ -36,6 +36,24 @@ def bound(**raw: Any) -> WorkerSpec:
 
 def never_found(name: str, path: str) -> str | None:
     return None
+
+
+def test_a_spec_whose_argv_alone_is_resolved_can_stand_for_the_resolved_one() -> None:
+    def at_bin(name: str, path: str) -> str:
+        return f"/usr/bin/{name}"
+
+    plain = spec_of(command=["sleep", "infinity"], args=["x"], restart="never")
+    run = resolve(plain, {}, find=at_bin)
+    assert run.command == ("/usr/bin/sleep", "infinity", "x")
+    assert only_argv_resolved(plain, run)
+    # Anything else resolve fills in (a port's number, PATH, a preset's probes) is the resolved
+    # spec's own: a supervisor needs that one.
+    with_port = spec_of(command=["srv", "--port={port:http}"], ports={"http": {}})
+    assert not only_argv_resolved(with_port, resolve(with_port, {"http": 21000}, find=at_bin))
+    with_path = spec_of(command=["srv"], path=["/opt/srv/bin"])
+    assert not only_argv_resolved(with_path, resolve(with_path, {}, find=at_bin))
+    preset = spec_of(preset="triton", model_repository="/models")
+    assert not only_argv_resolved(preset, resolve(preset, ports_for(preset)))
 
 
 def test_triton_runs_on_its_ports_sized_to_the_slot_with_its_backends(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -268,6 +269,20 @@ def test_a_remembered_json_form_goes_with_its_request() -> None:
     del request
     gc.collect()
     assert key not in request_module._DUMPED
+
+
+def test_a_remembered_json_form_holds_no_more_than_its_text() -> None:
+    # orjson's bytes keep the 4 KiB buffer they were written into; 500 slots remember one each.
+    requests = [parse_slot_request({"name": f"r{i}", "qos": "burstable"}) for i in range(50)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for request in requests:
+            request_to_dict(request)
+        held = (tracemalloc.get_traced_memory()[0] - before) / len(requests)
+    finally:
+        tracemalloc.stop()
+    assert held < 1024
 
 
 def _no_second_dump(*_: Any, **__: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -49,6 +50,7 @@ def test_json_round_trip_keeps_every_field():
         init=INIT,
     )
     assert SandboxSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert spec.to_json() == dataclasses.asdict(spec)  # the wire form of before the shallow copy
 
 
 def test_home_is_the_mount_point_when_there_is_one():
