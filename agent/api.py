@@ -73,6 +73,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Discriminator, Tag, TypeAdapter, ValidationError
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -106,6 +107,7 @@ from nodeagent.errors import (
     PlacementError,
     Unsupported,
 )
+from nodeagent.libc import release_freed_memory
 from nodeagent.schema.messages import describe_errors
 from nodeagent.schema.nri_messages import (
     CONTAINER_ID_PATTERN,
@@ -129,6 +131,17 @@ class JSONBody(JSONResponse):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
+#: An answer at least this big (a scrape or a slot listing of some hundred slots) has its garbage
+#: given back to the system once it is sent (:func:`release_freed_memory`, ~0.4 ms at 500 slots).
+TRIM_AFTER_BYTES = 64 * 1024
+
+
+def _after_big_answer(size: int) -> BackgroundTask | None:
+    """What runs after an answer of ``size`` bytes is sent: the freed heap pages given back for a
+    big one, else nothing. After, not before: the client does not wait for it."""
+    return BackgroundTask(release_freed_memory) if size >= TRIM_AFTER_BYTES else None
 
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -310,7 +323,7 @@ def _add_node_routes(app: FastAPI, service: SlotService, metrics: Metrics) -> No
     )
     def prometheus() -> Response:
         body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
+        return Response(body, media_type=content_type, background=_after_big_answer(len(body)))
 
     @app.get("/v1/node", tags=["node"], response_model=NodeModel, responses=error_responses(401))
     def node() -> JSONResponse:
@@ -359,7 +372,9 @@ def _add_slot_routes(app: FastAPI, service: SlotService, nri: bool, pools: Pools
         standby: Annotated[bool, Query(description="Also warm pools' standby slots.")] = False,
     ) -> JSONResponse:
         slots = service.list_slots(standby=True) if standby else service.list_slots()
-        return JSONBody({"slots": [s.to_json() for s in slots]})
+        answer = JSONBody({"slots": [s.to_json() for s in slots]})
+        answer.background = _after_big_answer(len(answer.body))
+        return answer
 
     @app.post(
         "/v1/slots",

@@ -24,4 +24,17 @@ def check(result: int, what: str) -> int:
     return result
 
 
-__all__ = ["check", "libc"]
+def release_freed_memory() -> bool:
+    """malloc_trim(3) with no padding: give back to the system the whole pages that freed memory
+    left inside malloc's heaps, not only at their top (which free() already does). False where the
+    C library has none (not glibc). A long-lived daemon's big, short-lived answers (a 500-slot
+    scrape builds ~0.3 MB of text and ten times that in intermediate objects) otherwise keep its
+    RSS at their high-water mark between them."""
+    try:
+        trim = libc.malloc_trim
+    except AttributeError:
+        return False
+    return bool(trim(0))
+
+
+__all__ = ["check", "libc", "release_freed_memory"]

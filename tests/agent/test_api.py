@@ -652,3 +652,22 @@ def test_the_fast_lane_answers_a_service_that_is_not_ready_with_503(service: Fak
     assert error_of(response)[:2] == (503, "not_ready")
     assert response.headers["retry-after"] == "1"
     assert error_of(client.delete("/v1/slots/llm-a"))[:2] == (503, "not_ready")
+
+
+def test_a_big_listing_gives_its_freed_heap_back_after_it_is_sent(
+    client: AppClient, service: FakeSlotService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nodeagent.agent.api as api_module
+
+    trims: list[int] = []
+    monkeypatch.setattr(api_module, "release_freed_memory", lambda: trims.append(1) or True)
+    assert client.post("/v1/slots", json=GUARANTEED).status_code == 201
+    assert client.get("/v1/slots").status_code == 200
+    assert client.get("/metrics").status_code == 200
+    assert trims == []  # small answers: nothing to give back
+    for i in range(150):
+        body = {"name": f"be-{i}", "qos": "best-effort", "resources": {"cpus": 0.01, "memory": "8Mi"}}
+        assert client.post("/v1/slots", json=body).status_code == 201
+    listing = client.get("/v1/slots")
+    assert listing.status_code == 200 and len(listing.content) >= api_module.TRIM_AFTER_BYTES
+    assert trims == [1]
