@@ -423,6 +423,26 @@ def test_best_effort_class_is_an_idle_group(isolator: SlotIsolator, host: Cgroup
 
 
 @pytest.mark.root
+def test_a_best_effort_quota_change_alone_syncs_no_cpuset(
+    isolator: SlotIsolator, host: CgroupHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slot = isolator.apply(SlotIsolationSpec("e", "best-effort", memory_bytes=64 * MiB))
+    syncs: list[int] = []
+    real_sync = isolator.pool.sync
+    monkeypatch.setattr(isolator.pool, "sync", lambda *a, **k: syncs.append(1) or real_sync(*a, **k))
+    assert isolator.limit_best_effort(frozenset({1}), 0.5) == frozenset({1})
+    assert cpuset_of(host, slot.cgroup) == "1"
+    assert len(syncs) == 1
+    isolator.limit_best_effort(frozenset({1}), 0.3)  # the quota alone: the class parent only
+    assert len(syncs) == 1
+    quota = host.v1_mounts["cpu"] / isolator.hierarchy.class_parent("best-effort") / "cpu.cfs_quota_us"
+    assert int(quota.read_text()) == 30000
+    assert isolator.limit_best_effort(None, None) == frozenset({0, 1})  # the CPUs: every slot again
+    assert len(syncs) == 2
+    assert cpuset_of(host, slot.cgroup) == "0-1"
+
+
+@pytest.mark.root
 def test_what_the_colocation_loop_holds_a_slot_to_survives_its_resize(
     isolator: SlotIsolator, host: CgroupHost
 ) -> None:
