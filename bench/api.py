@@ -20,7 +20,7 @@ Footprint of ``nodeagent serve`` and of its host keeper (the one process, beside
 it starts): the daemon's RSS (VmRSS), the keeper's PSS (its pages shared with its pre-forked idle
 children counted once, between them) and idle CPU as % of one core (utime+stime from /proc/PID/stat
 over --idle-seconds with no API calls; memory after it: past 30 s without a launch the keeper keeps
-one idle child of each kind instead of two), fresh, with 0 slots after the round trips, and with --slots
+one idle child, of the last launch's kind), fresh, with 0 slots after the round trips, and with --slots
 best-effort slots (0.01 CPU, 8Mi) each running a minimal worker (``sleep infinity``, restart
 never). Targets: daemon RSS < 80 MB and idle CPU < 1% of a core; daemon RSS + keeper PSS (with its
 idle children) < 100 MB and daemon + keeper idle CPU < 0.5% of a core at 500 slots.
@@ -358,7 +358,7 @@ def footprint(
         cpu = 100 * (own1 - own0) / (t1 - t0)
         keeper_cpu = 100 * (keeper1 - keeper0) / (t1 - t0) if keeper else None
         # The keeper's children as they are after the idle window: 30 s after the last launch it
-        # keeps one idle child of each kind instead of two (runtime/keeper_client.py).
+        # keeps one idle child, of the last launch's kind (runtime/keeper_client.py).
         keeper = keeper_processes(state_dir)
     return Footprint(
         label,

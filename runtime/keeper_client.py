@@ -11,10 +11,11 @@
 (``python -m nodeagent.runtime.keeper DIR``, which double-forks, so the keeper is never the agent's
 child; a lock in the directory keeps a second one from starting). It keeps ``idle_children``
 armed children in hand, so a launch is one write, one read to EOF and one close: no fork, no
-round trip through the keeper. After ``rest_after`` seconds without a launch it keeps one of each
-kind only (a child prepared for the sandbox is ~4.6 MB of PSS, a plain one ~3.6 MB: at rest the
-extra ones are the agent's footprint, issue 23 item 7) and fills up again from the next launch,
-whose own child is still in hand. It is the supervisor's Launcher (:meth:`launch` returns a
+round trip through the keeper. After ``rest_after`` seconds without a launch it keeps one child,
+of the kind the last launch took (a child prepared for the sandbox is ~4.6 MB of PSS, a plain one
+~3.6 MB: at rest the others are the agent's footprint, issue 23 item 7), and fills up again from
+the next launch: one of that kind still finds its child in hand, one of another kind pays a fork,
+as the first launch of a kind does. It is the supervisor's Launcher (:meth:`launch` returns a
 :class:`WorkerProcess`) and the handles' Watcher (:meth:`watch`).
 
 Keeper deaths: a thread waits on the keeper's pidfd; when the keeper dies it drops the armed
@@ -69,7 +70,7 @@ START_TIMEOUT = 30.0
 _GONE_TIMEOUT = 5.0
 #: Restarting a keeper that keeps failing to start: first retry after this, doubling to the max.
 _RETRY_FIRST, _RETRY_MAX = 0.5, 30.0
-#: How long without a launch before the idle children are cut to one of each kind.
+#: How long without a launch before the idle children are cut to one, of the last launch's kind.
 _REST_AFTER = 30.0
 #: The failure a child reports when the keeper died before the launch handed its request over.
 _KEEPER_LOST_STEP = b"hand the request to the keeper\0"
@@ -213,15 +214,19 @@ class KeeperClient:
         (and through it every worker until it joins its slot) starts: under systemd, the delegated
         cgroup's ``keeper/`` leaf, outside the agent's unit, so that stopping the agent's unit never
         takes the keeper with it; without one it starts in the agent's cgroup. ``rest_after``: seconds
-        without a launch after which one child of each kind is kept in hand instead."""
+        without a launch after which one child, of the kind the last launch took, is kept in hand
+        instead."""
         self.directory = directory
         self._python = python
         self._placement = placement
         self._idle_children = max(1, idle_children)
         self._rest_after = rest_after
         self._last_launch = time.monotonic()
-        #: Resting: one child of each kind kept in hand (no launch for ``rest_after`` seconds).
+        #: Resting: one child kept in hand, of ``_last_kind`` (no launch for ``rest_after`` seconds).
         self._resting = False
+        #: The kind the last launch took: the one a host's next launch most likely asks for (a
+        #: sandboxed host's are all prepared; exec probes come often enough to keep it from resting).
+        self._last_kind = PLAIN
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._keeper: ProcessIdentity | None = None
@@ -300,7 +305,8 @@ class KeeperClient:
                     self._resting = False  # the refill below arms up to idle_children again
                     if self._wake_fd >= 0:
                         os.eventfd_write(self._wake_fd, 1)  # the rest timer starts again
-                armed = self._take_armed(child_kind(req))
+                self._last_kind = child_kind(req)
+                armed = self._take_armed(self._last_kind)
                 keeper = self._keeper
                 try:
                     self._trace.stamp(req.launch_id, "agent-send")
@@ -568,8 +574,8 @@ class KeeperClient:
         if self._sock is None:
             return
         try:
-            wanted = 1 if self._resting else self._idle_children
             for kind in self._kept:
+                wanted = self._idle_children if not self._resting else int(kind == self._last_kind)
                 while len(self._armed[kind]) + self._pending[kind] < wanted:
                     self._send_arm(kind)
         except OSError:
@@ -632,8 +638,9 @@ class KeeperClient:
                 retry = self._replace_dead_keeper()
 
     def _rest_if_idle(self) -> float | None:
-        """Cut the idle children to one of each kind once no launch came for ``rest_after``
-        seconds; returns the seconds until it is due (None: resting already, or closed)."""
+        """Cut the idle children to one, of the last launch's kind, once no launch came for
+        ``rest_after`` seconds; returns the seconds until it is due (None: resting already, or
+        closed)."""
         with self._lock:
             if self._closed or self._resting or self._sock is None:
                 return None
@@ -647,8 +654,8 @@ class KeeperClient:
                     self._receive_one()
             except WorkerError:
                 return None  # the keeper is gone (disconnected): its children with it
-            for armed in self._armed.values():
-                while len(armed) > 1:
+            for kind, armed in self._armed.items():
+                while len(armed) > int(kind == self._last_kind):
                     armed.pop().close()  # it reads EOF instead of a request and exits
             return None
 

@@ -18,7 +18,7 @@ from nodeagent.runtime.process import ProcessIdentity
 from nodeagent.runtime.sandbox import SandboxSpec
 from nodeagent.runtime.sandbox.mounts import MNT_DETACH, MS_PRIVATE, MS_SHARED, mount, umount
 from nodeagent.runtime.sandbox.spec import Exposed
-from tests.runtime.conftest import current_keeper, kill, make_request, wait_gone, wait_until
+from tests.runtime.conftest import current_keeper, kill, make_request, stop_test_keeper, wait_gone, wait_until
 from tests.runtime.sandbox.test_mounts_kernel import SAFE_DEV  # the /dev every sandbox has
 from tests.runtime.slotcg import V1Slot
 
@@ -127,6 +127,27 @@ def test_an_unsandboxed_worker_never_takes_a_prepared_child(tmp_path, slot, keep
     for ns in ("mnt", "ipc", "uts"):
         assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{host_keeper.pid}/ns/{ns}")
     assert _status(pid)["CapBnd"] != "0" * 16
+
+
+@pytest.mark.root
+def test_at_rest_only_a_child_of_the_last_launchs_kind_is_kept(tmp_path, slot, kill_workers):
+    """A sandboxed host's launches all take prepared children: at rest its plain ones go too (each
+    megabytes of PSS), and a plain launch after that pays a fork, then fills its kind up again."""
+    client = KeeperClient(tmp_path / "keeper", rest_after=0.5)
+    try:
+        client.connect()
+        plain = client.idle_children(PLAIN)
+        assert len(plain) == 2
+        assert len(_keep_prepared_children(tmp_path, slot, client)) == 2
+        wait_until("the rest", lambda: len(client.idle_children(PREPARED)) == 1)
+        assert client.idle_children(PLAIN) == []
+        for gone in plain:
+            assert wait_gone(gone)
+        pid = _launch(client, make_request(tmp_path, slot, ["sleep", "60"]), kill_workers)
+        assert ProcessIdentity(pid, kill_workers[-1].start_time) not in plain
+        assert len(client.idle_children(PLAIN)) == 2
+    finally:
+        stop_test_keeper(tmp_path / "keeper", client)
 
 
 @pytest.mark.root
