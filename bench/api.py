@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
 import json
 import os
@@ -447,13 +448,18 @@ def running_worker_pids(client: httpx.Client, expected: int, timeout: float = 12
         time.sleep(0.5)
 
 
-def timed_get(client: httpx.Client, path: str, runs: int = 5) -> float:
-    times = []
+def timed_gets(gets: dict[tuple[str, str], Callable[[], Any]], runs: int = 5) -> dict[tuple[str, str], float]:
+    """The median seconds of each GET over ``runs`` rounds, the GETs taking turns within a round so
+    that the machine's noise hits each alike (an error answer raises)."""
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in gets}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        client.get(path).raise_for_status()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for key, get in gets.items():
+            t0 = time.perf_counter()
+            answer = get()
+            if isinstance(answer, httpx.Response):
+                answer.raise_for_status()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(seconds) for key, seconds in times.items()}
 
 
 # =========================================================================== profile of a tick
@@ -572,21 +578,21 @@ def main() -> None:
             manager.close()
             raise
         prints: list[Footprint] = []
+        agent = AgentClient(daemon.url, daemon.token_file.read_text().strip())
         try:
             prints.append(footprint("fresh, 0 slots", daemon.pid, daemon.state, 0, []))
-            with AgentClient(daemon.url, daemon.token_file.read_text().strip()) as agent:
-                try:
-                    paths: dict[str, Callable[[int], PairTimes]] = {
-                        "in-process": lambda n: in_process_pairs(manager, n),
-                        "rest": lambda n: rest_pairs(client, n),
-                        "rest-agentclient": lambda n: agentclient_pairs(agent, n),
-                    }
-                    for run in paths.values():
-                        run(min(20, args.runs))  # warm-up
-                    rows.update(interleaved(paths, args.runs))
-                finally:
-                    manager.close()
-                    remove_bench_objects(state)  # its own names: the daemon's slots stay
+            try:
+                paths: dict[str, Callable[[int], PairTimes]] = {
+                    "in-process": lambda n: in_process_pairs(manager, n),
+                    "rest": lambda n: rest_pairs(client, n),
+                    "rest-agentclient": lambda n: agentclient_pairs(agent, n),
+                }
+                for run in paths.values():
+                    run(min(20, args.runs))  # warm-up
+                rows.update(interleaved(paths, args.runs))
+            finally:
+                manager.close()
+                remove_bench_objects(state)  # its own names: the daemon's slots stay
             if args.cli_runs:
                 rows["cli"] = cli_pairs(daemon, args.cli_runs)
             print(latency_table(rows), flush=True)
@@ -601,8 +607,16 @@ def main() -> None:
                 f"({len(ids) / took:.1f}/s); {len(workers)} workers running",
                 flush=True,
             )
-            list_ms = timed_get(client, "/v1/slots") * 1000
-            metrics_ms = timed_get(client, "/metrics") * 1000
+            # Each GET through httpx and through the agent's own client (one keep-alive socket, the
+            # body read whole and not parsed), alternating: httpx's own cost of reading a 0.3-0.5 MB
+            # answer is part of the first figure only.
+            gets = timed_gets(
+                {
+                    (path, via): functools.partial(call, path)
+                    for path in ("/v1/slots", "/metrics")
+                    for via, call in (("httpx", client.get), ("agent client", agent.get))
+                }
+            )
             time.sleep(2)  # let the scrapes' garbage settle before the idle window
             prints.append(
                 footprint(
@@ -610,8 +624,11 @@ def main() -> None:
                 )
             )
             print(
-                f"at {len(ids)} slots: GET /v1/slots {list_ms:.1f} ms, "
-                f"GET /metrics {metrics_ms:.1f} ms (median of 5)"
+                f"at {len(ids)} slots (median of 5; httpx / the agent's client): "
+                + ", ".join(
+                    f"GET {path} {gets[path, 'httpx'] * 1e3:.1f} / {gets[path, 'agent client'] * 1e3:.1f} ms"
+                    for path in ("/v1/slots", "/metrics")
+                )
             )
             t0 = time.perf_counter()
             for slot_id in ids:
@@ -619,6 +636,7 @@ def main() -> None:
             print(f"released {len(ids)} slots in {time.perf_counter() - t0:.1f} s\n")
         finally:
             client.close()
+            agent.close()
             daemon.stop()
         print(footprint_table(prints), flush=True)
         remove_bench_objects(daemon.state)

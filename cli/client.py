@@ -232,6 +232,11 @@ class AgentClient:
 
     # --- the I/O boundary
 
+    def get(self, path: str, query: Mapping[str, Any] | None = None) -> Response:
+        """One GET of ``path`` (``/metrics``, ``/v1/slots``), its answer read whole and not parsed:
+        for a caller that wants the bytes as they came (or, a benchmark, their time alone)."""
+        return self._send("GET", path, query=query)
+
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         return _decode(self._send(method, path, **kwargs))
 

@@ -97,6 +97,14 @@ def test_one_connection_serves_several_requests(scripted: Callable[..., Scripted
     assert (agent.connections, len(agent.request_lines)) == (1, 3)
 
 
+def test_a_get_gives_the_answer_as_it_came(scripted: Callable[..., ScriptedAgent]) -> None:
+    agent = scripted(lambda line: http_answer(SLOTS))
+    with AgentClient(agent.url, TOKEN) as client:
+        answer = client.get("/v1/slots", query={"state": "ready"})
+    assert (answer.status, answer.json()) == (200, {"slots": [{"id": "s1", "name": "a"}]})
+    assert agent.request_lines == ["GET /v1/slots?state=ready HTTP/1.1"]
+
+
 def test_a_connection_the_agent_closed_is_replaced(scripted: Callable[..., ScriptedAgent]) -> None:
     agent = scripted(lambda line: http_answer(SLOTS), close_after_answer=True)
     with AgentClient(agent.url, TOKEN) as client:
