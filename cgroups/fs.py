@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodeagent.errors import CgroupError, DiscoveryError, translate_os_error
-from nodeagent.kernelfs import Procfs
+from nodeagent.kernelfs import Procfs, read_all
 from nodeagent.procfmt import parse_mountinfo
 
 
@@ -190,16 +190,9 @@ def read_file(root: Path | CgroupDir, relpath: str | PurePosixPath) -> str:
 
 def _read(path: str | Path, flags: int = 0) -> str:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
-        try:
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
+        return read_all(path, flags).decode()
     except OSError as err:
         raise translate_os_error(f"reading {path}", err, CgroupError) from err
-    return b"".join(chunks).decode()
 
 
 def read_optional(root: Path | CgroupDir, relpath: str | PurePosixPath) -> str | None:

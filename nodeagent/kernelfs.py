@@ -30,10 +30,11 @@ from nodeagent.cpulist import parse_cpulist
 from nodeagent.errors import DiscoveryError, InvalidRequest, os_error_message
 
 
-def _read_all(path: str) -> bytes:
+def read_all(path: str | Path, flags: int = 0) -> bytes:
     """A whole file through os.open and os.read, not open(): the buffered file object cost about as
-    much as the kernel's answer for the small files read here (the QoS loop reads five a second)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    much as the kernel's answer for the small files read here (the QoS loop reads five a second).
+    ``flags`` are added to the open's (``O_NOFOLLOW``). OSError as the kernel gave it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
     try:
         chunks = []
         while chunk := os.read(fd, 65536):
@@ -74,7 +75,7 @@ class KernelFs:
         """The file's content as the kernel gave it; None when it does not exist."""
         path = self._prefix + rel
         try:
-            return _read_all(path)
+            return read_all(path)
         except OSError as err:
             if err.errno in self.absent:
                 return None
@@ -176,4 +177,4 @@ class Procfs(KernelFs):
         super().__init__(root)
 
 
-__all__ = ["KernelFs", "Procfs", "Sysfs"]
+__all__ = ["KernelFs", "Procfs", "Sysfs", "read_all"]

@@ -123,7 +123,7 @@ def test_a_process_that_ends_mid_read_is_absent_in_procfs_only(
     def gone(*_args: object, **_kwargs: object) -> None:
         raise ProcessLookupError(errno.ESRCH, "No such process")
 
-    monkeypatch.setattr(kernelfs, "_read_all", gone)
+    monkeypatch.setattr(kernelfs, "read_all", gone)
     assert Procfs(tmp_path).read_text("42/stat") is None
     with pytest.raises(DiscoveryError) as info:
         Sysfs(tmp_path).read_text("devices/system/cpu/online")
@@ -134,7 +134,7 @@ def test_a_refused_read_keeps_the_kernels_errno(tmp_path: Path, monkeypatch: pyt
     def refused(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
 
-    monkeypatch.setattr(kernelfs, "_read_all", refused)
+    monkeypatch.setattr(kernelfs, "read_all", refused)
     with pytest.raises(DiscoveryError, match="pressure/cpu") as info:
         Procfs(tmp_path).read_text("pressure/cpu")
     assert info.value.errno == errno.EOPNOTSUPP

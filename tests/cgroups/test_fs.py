@@ -141,7 +141,8 @@ def test_a_checked_small_file_takes_one_read_and_a_long_one_is_read_whole(
         reads.append(n)
         return real_read(fd, n)
 
+    small, long = fs.resolve_file(root, "slot/cpu.stat"), fs.resolve_file(root, "slot/memory.stat")
     monkeypatch.setattr(fs.os, "read", counted)
-    assert fs.read_checked(fs.resolve_file(root, "slot/cpu.stat")) == "nr_periods 3\n"
+    assert fs.read_checked(small) == "nr_periods 3\n"
     assert len(reads) == 1  # a short first read was the whole file: no read to see the end
-    assert fs.read_checked(fs.resolve_file(root, "slot/memory.stat")) == long_text
+    assert fs.read_checked(long) == long_text
