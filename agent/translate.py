@@ -8,10 +8,9 @@ here; isolation and the runtime receive their own types (:class:`SlotIsolationSp
 
 from __future__ import annotations
 
-import functools
-
 from nodeagent.agent.recovery import recovered_name
 from nodeagent.agent.slot import Slot, SlotState
+from nodeagent.cpulist import shared_ids
 from nodeagent.devices.topology import Topology
 from nodeagent.errors import InvalidRequest
 from nodeagent.isolation.backend import OwnedSlot
@@ -38,9 +37,9 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
     return SlotIsolationSpec(
         slot_id=slot.id,
         qos=slot.request.qos,
-        cpus=_shared_set(a.cpus),
+        cpus=shared_ids(a.cpus),
         exclusive=a.exclusive,
-        mems=_shared_set(a.numa_nodes) if a.memory_by_node else None,
+        mems=shared_ids(a.numa_nodes) if a.memory_by_node else None,
         cpu_quota=quota,
         memory_bytes=a.memory_bytes or None,
         device_paths=devices,
@@ -57,13 +56,6 @@ def isolation_spec(slot: Slot, topology: Topology) -> SlotIsolationSpec:
         containers=slot_kind(slot.request).needs_container_runtime,
         background=slot.pool is not None,
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _shared_set(numbers: tuple[int, ...]) -> frozenset[int]:
-    """One frozenset per distinct CPU or node list: every slot on the shared pool keeps the same
-    one in its memoised spec (agent/parts.py) instead of a copy of its own."""
-    return frozenset(numbers)
 
 
 def slot_description(slot: Slot, shared_pool: frozenset[int]) -> SlotDescription:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import ipaddress
 import socket
 import threading
@@ -45,6 +44,7 @@ from nodeagent.cgroups import (
 )
 from nodeagent.cgroups.hierarchy import CLASS_DIRS
 from nodeagent.cgroups.resources import CPU_SHARES_MIN, CPU_WEIGHT_MIN
+from nodeagent.cpulist import shared_ids
 from nodeagent.devices.cpu import discover_cpu_topology
 from nodeagent.errors import (
     CgroupError,
@@ -780,7 +780,7 @@ class SlotIsolator:
             cgroup_version=manager.version,
             procs_files=tuple(str(p) for p in manager.procs_files()),
             oom_events=_oom_events_file(manager),
-            cpus=_one_cpuset(cpus),
+            cpus=shared_ids(cpus),
             mems=spec.mems,
             memory_max=params.memory_max,
             sched_idle=params.sched_idle,
@@ -805,13 +805,6 @@ class SlotIsolator:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@functools.lru_cache(maxsize=64)
-def _one_cpuset(cpus: frozenset[int]) -> frozenset[int]:
-    """One frozenset per distinct cpuset: every slot on the shared pool keeps the pool's CPUs in
-    its record, the same set, which need not be a copy of its own (~200 bytes each)."""
-    return cpus
 
 
 def _oom_events_file(manager: CgroupManager) -> str | None:
