@@ -241,14 +241,16 @@ class SlotStats:
     The scrape hands over the slots it listed (``prepare``), so each slot's cgroup comes from that
     one listing instead of a database lookup per slot; a slot it did not list is looked up. The
     cgroup managers are kept from scrape to scrape (those of slots gone are dropped), so each
-    slot's directories are checked once, not at every scrape.
+    slot's directories are checked once, not at every scrape; so is each slot's last snapshot, so
+    that a slot that used no CPU since the last scrape has only its CPU time and memory in use
+    read (``CgroupManager.stats(since=...)``).
     """
 
     def __init__(self, manager: SlotManager) -> None:
         self._manager = manager
         self._host = detect()
         self._cgroups: dict[str, str | None] = {}
-        self._managers: dict[str, CgroupManager] = {}
+        self._managers: dict[str, tuple[CgroupManager, CgroupStats | None]] = {}
 
     def prepare(self, slots: Sequence[Slot]) -> None:
         self._cgroups = {slot.id: slot.cgroup for slot in slots}
@@ -262,10 +264,11 @@ class SlotStats:
         cgroup = cgroups[slot_id] if slot_id in cgroups else self._manager.get_slot(slot_id).cgroup
         if cgroup is None:
             return None
-        manager = self._managers.get(cgroup)
-        if manager is None:
-            manager = self._managers[cgroup] = open_manager(self._host, cgroup)
-        return manager.stats(pids=False)  # /metrics shows no pid counts: one file fewer per slot
+        kept = self._managers.get(cgroup)
+        manager, last = (open_manager(self._host, cgroup), None) if kept is None else kept
+        stats = manager.stats(pids=False, since=last)  # /metrics shows no pid counts
+        self._managers[cgroup] = (manager, stats)
+        return stats
 
 
 def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:

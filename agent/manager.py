@@ -979,8 +979,7 @@ class SlotManager:
         status = self._workers.status(slot)
         foreign = self._foreign_cpu(slot)
         actions, evicted = self._qos.slot_view(slot.id) if self._qos is not None else ((), False)
-        return dataclasses.replace(
-            slot,
+        return slot.viewed(
             worker=status,
             foreign_cpu=foreign,
             sandbox_uid=self._identity.view(slot),

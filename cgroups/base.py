@@ -112,9 +112,12 @@ class CgroupManager(ABC):
         """SIGKILL everything in the group and its children; returns once it is empty."""
 
     @abstractmethod
-    def stats(self, *, pids: bool = True) -> CgroupStats:
+    def stats(self, *, pids: bool = True, since: CgroupStats | None = None) -> CgroupStats:
         """The group's usage now. ``pids=False`` leaves pids.current unread (``pids_current`` None):
-        one file fewer per group for a caller that does not show it (the metrics scrape)."""
+        one file fewer per group for a caller that does not show it (the metrics scrape).
+
+        ``since``, this group's previous snapshot: when the group used no CPU since, the figures
+        that cannot have moved are taken from it instead of read (see CgroupStats.ran_since)."""
 
     @abstractmethod
     def oom_events(self) -> OomEvents: ...

@@ -146,7 +146,7 @@ class V1Manager(CgroupManager):
     def kill(self, timeout: float = 5.0) -> None:
         self._kill_by_signal(timeout, can_freeze=self.has("freezer") and self.exists())
 
-    def stats(self, *, pids: bool = True) -> CgroupStats:
+    def stats(self, *, pids: bool = True, since: CgroupStats | None = None) -> CgroupStats:
         # Each hierarchy's directory is checked once (cpu and cpuacct usually share one), and the
         # paths of the six files a scrape reads are kept as strings: a scrape of 500 slots reads
         # 3,000 files, and building their paths again cost as much as reading them (issue 23).
@@ -158,16 +158,27 @@ class V1Manager(CgroupManager):
                 if controller in dirs
             }
         files = self._stats_files
+        usage = _int_file(files, "cpuacct.usage")  # first: see CgroupStats.ran_since
+        current = _int_file(files, "memory.usage_in_bytes")
+        pids_current = _int_file(files, "pids.current") if pids else None
+        if since is not None and not since.ran_since(usage):
+            peak = since.memory_peak
+            if current is not None and (peak is None or current > peak):
+                peak = _int_file(files, "memory.max_usage_in_bytes")
+            return CgroupStats(
+                usage, since.cpu_periods, since.cpu_throttled_periods, since.cpu_throttled_ns,
+                current, peak, since.oom, pids_current,
+            )  # fmt: skip
         cpu = _keyed_file(files, "cpu.stat")
         return CgroupStats(
-            cpu_usage_ns=_int_file(files, "cpuacct.usage"),
+            cpu_usage_ns=usage,
             cpu_periods=cpu.get("nr_periods"),
             cpu_throttled_periods=cpu.get("nr_throttled"),
             cpu_throttled_ns=cpu.get("throttled_time"),
-            memory_current=_int_file(files, "memory.usage_in_bytes"),
+            memory_current=current,
             memory_peak=_int_file(files, "memory.max_usage_in_bytes"),
             oom=OomEvents(oom=None, oom_kill=_keyed_file(files, "memory.oom_control").get("oom_kill")),
-            pids_current=_int_file(files, "pids.current") if pids else None,
+            pids_current=pids_current,
         )
 
     def _dirs(self, controllers: Iterable[str]) -> dict[str, fs.CgroupDir]:

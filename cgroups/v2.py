@@ -153,25 +153,38 @@ class V2Manager(CgroupManager):
             lambda: not self.subtree_pids(), timeout, f"cgroup {self.relpath} to empty after cgroup.kill"
         )
 
-    def stats(self, *, pids: bool = True) -> CgroupStats:
+    def stats(self, *, pids: bool = True, since: CgroupStats | None = None) -> CgroupStats:
         # The directory is checked once, then its files are read by name (see fs.CgroupDir).
         if self._stats_dir is None:
             self._stats_dir = fs.resolve_dir(self._mount, self.relpath)
         directory = self._stats_dir
-        cpu = fs.read_keyed(directory, "cpu.stat")
-        events = fs.read_optional(directory, "memory.events")
-        values = {} if events is None else fs.parse_keyed(events)
+        cpu = fs.read_keyed(directory, "cpu.stat")  # first: see CgroupStats.ran_since
+        usage = _usec_to_ns(cpu.get("usage_usec"))
+        current = _optional_int(directory, "memory.current")
+        pids_current = _optional_int(directory, "pids.current") if pids else None
+        if since is not None and not since.ran_since(usage):
+            peak = since.memory_peak
+            if current is not None and (peak is None or current > peak):
+                peak = _optional_int(directory, "memory.peak")
+            oom = since.oom
+        else:
+            peak = _optional_int(directory, "memory.peak")
+            events = fs.read_optional(directory, "memory.events")
+            values = {} if events is None else fs.parse_keyed(events)
+            oom = (
+                OomEvents(None, None)
+                if events is None
+                else OomEvents(oom=values.get("oom", 0), oom_kill=values.get("oom_kill", 0))
+            )
         return CgroupStats(
-            cpu_usage_ns=_usec_to_ns(cpu.get("usage_usec")),
+            cpu_usage_ns=usage,
             cpu_periods=cpu.get("nr_periods"),
             cpu_throttled_periods=cpu.get("nr_throttled"),
             cpu_throttled_ns=_usec_to_ns(cpu.get("throttled_usec")),
-            memory_current=_optional_int(directory, "memory.current"),
-            memory_peak=_optional_int(directory, "memory.peak"),
-            oom=OomEvents(None, None)
-            if events is None
-            else OomEvents(oom=values.get("oom", 0), oom_kill=values.get("oom_kill", 0)),
-            pids_current=_optional_int(directory, "pids.current") if pids else None,
+            memory_current=current,
+            memory_peak=peak,
+            oom=oom,
+            pids_current=pids_current,
         )
 
     def _int(self, name: str) -> int | None:

@@ -1003,3 +1003,25 @@ def test_an_allocate_reads_no_uid_or_port_table_back(make: Any, monkeypatch: pyt
     (first,) = manager.list_slots()
     assert [e.port for e in first.endpoints] == [p.port for p in store.slot_ports(first.id)]
     assert store.slot_ports(slot.id) == []
+
+
+def test_a_slots_view_sets_its_live_parts_and_keeps_every_other_field() -> None:
+    # Slot.viewed builds the slot field by field, in order: a field added, moved or renamed
+    # without it would be lost or shifted here.
+    stored = Slot(
+        id="s1", name="web", state=SlotState.RUNNING,
+        request=parse_slot_request({"name": "web", "qos": "best-effort"}),
+        assignment=None, reason="why", created_at=1.0, updated_at=2.0,
+    )  # fmt: skip
+    live: dict[str, Any] = {
+        "worker": "a worker's status",  # stand-ins: each field must land where it is named
+        "foreign_cpu": "foreign CPU time",
+        "sandbox_uid": 4242,
+        "endpoints": ("an endpoint",),
+        "qos_actions": ({"action": "throttle"},),
+        "qos_evicted": True,
+    }
+    assert stored.viewed(**live) == dataclasses.replace(stored, **live)
+    assert {f.name for f in dataclasses.fields(Slot)} - set(live) == {
+        "id", "name", "state", "request", "assignment", "applied", "reason", "created_at", "updated_at",
+    }  # fmt: skip

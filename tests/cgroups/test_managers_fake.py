@@ -253,6 +253,58 @@ def test_v2_stats_and_oom_events(tmp_path: Path) -> None:
     assert (stats.cpu_usage_ns, stats.memory_current, stats.pids_current) == (7000, 4096, None)
 
 
+# Where each tree keeps a group's CPU time, memory in use, peak, and the figures that only move
+# while the group runs (throttling and OOM counts), with the content each takes later.
+_SINCE_FILES = {
+    "v1": {
+        "usage": (f"cpuacct/{SLOT}/cpuacct.usage", "223456\n"),
+        "current": (f"memory/{SLOT}/memory.usage_in_bytes", "16384\n"),
+        "peak": (f"memory/{SLOT}/memory.max_usage_in_bytes", "16384\n"),
+        "quiet": {
+            f"cpu/{SLOT}/cpu.stat": "nr_periods 99\nnr_throttled 98\nthrottled_time 97\n",
+            f"memory/{SLOT}/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 77\n",
+        },
+    },
+    "v2": {
+        # v2 keeps throttling beside the CPU time, in the one file always read.
+        "usage": (f"{SLOT}/cpu.stat", "usage_usec 9\nnr_periods 99\nnr_throttled 98\nthrottled_usec 97\n"),
+        "current": (f"{SLOT}/memory.current", "16384\n"),
+        "peak": (f"{SLOT}/memory.peak", "16384\n"),
+        "quiet": {f"{SLOT}/memory.events": "oom 78\noom_kill 77\n"},
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_stats_since_a_snapshot_read_only_what_can_have_moved(tmp_path: Path, mode: str) -> None:
+    files = _SINCE_FILES[mode]
+    manager = open_manager((v1_tree if mode == "v1" else v2_tree)(tmp_path), SLOT)
+    first = manager.stats(pids=False)
+    assert first.memory_peak == 8192
+    assert first.oom.oom_kill in (1, 3)
+    for rel, later in files["quiet"].items():
+        (tmp_path / rel).write_text(later)
+    peak_file, peak_later = files["peak"]
+    (tmp_path / peak_file).write_text(peak_later)
+
+    # No CPU used since: only the CPU time and the memory in use are read; the rest is carried.
+    assert manager.stats(pids=False, since=first) == first
+
+    # Memory in use above the old peak: the peak is read again, and nothing else.
+    current_file, current_later = files["current"]
+    (tmp_path / current_file).write_text(current_later)
+    grown = manager.stats(pids=False, since=first)
+    assert (grown.memory_current, grown.memory_peak) == (16384, 16384)
+    assert grown.oom == first.oom
+
+    # CPU used: everything is read again.
+    usage_file, usage_later = files["usage"]
+    (tmp_path / usage_file).write_text(usage_later)
+    ran = manager.stats(pids=False, since=first)
+    assert (ran.cpu_periods, ran.cpu_throttled_periods, ran.oom.oom_kill) == (99, 98, 77)
+    assert ran.cpu_usage_ns != first.cpu_usage_ns
+
+
 def test_v2_oom_watcher_reads_counts(tmp_path: Path) -> None:
     with open_manager(v2_tree(tmp_path), SLOT).oom_watcher() as watcher:
         assert watcher.counts().oom_kill == 1

@@ -99,6 +99,7 @@ def test_memory_hog_is_oom_killed_inside_the_group_and_reported(v1_group: Cgroup
     bystander.release()
     hog = spawn("chunks = []\nwhile True: chunks.append(bytearray(8 << 20))")
     v1_group.add_pid(hog.pid)
+    before = v1_group.stats()  # the hog waits to be released: its run and its death come after this
     with v1_group.oom_watcher() as watcher:
         hog.release()
         events = watcher.wait(timeout=30)
@@ -107,6 +108,10 @@ def test_memory_hog_is_oom_killed_inside_the_group_and_reported(v1_group: Cgroup
         assert events.oom >= 1
         assert hog.proc.wait(timeout=30) == -9
     assert wait_for(lambda: (v1_group.oom_events().oom_kill or 0) >= 1)
+    # A scrape that carries what cannot move while a group is idle still sees the kill and the peak.
+    since = v1_group.stats(since=before)
+    assert since.oom.oom_kill == v1_group.oom_events().oom_kill
+    assert (since.memory_peak or 0) > 32 * MiB
     assert v1_group.stats().memory_peak is not None
     assert v1_group.stats().memory_peak <= limit
     assert bystander.proc.poll() is None  # nothing outside the group was touched
