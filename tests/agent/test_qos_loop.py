@@ -389,11 +389,13 @@ def test_slot_list_is_read_again_on_change_notices_only() -> None:
     step(loop, sampler, clock)
     assert calls == [1]
     assert len(actuator.tended) == tended + 1
-    clock.now += REFRESH_SECONDS  # processes are tended at least every REFRESH_SECONDS
+    clock.now += REFRESH_SECONDS  # processes are tended at least every REFRESH_SECONDS ...
     step(loop, sampler, clock)
+    assert len(actuator.tended) == tended + 1  # ... once best-effort ran since (nothing did)
+    step(loop, sampler, clock, Period(best_effort_cpu=0.5))
     assert calls == [1]
     assert len(actuator.tended) == tended + 2
-    step(loop, sampler, clock)
+    step(loop, sampler, clock, Period(best_effort_cpu=0.5))
     assert len(actuator.tended) == tended + 2
     clock.now += RELIST_SECONDS  # and the list read again at least every RELIST_SECONDS
     step(loop, sampler, clock)

@@ -135,6 +135,34 @@ def test_transaction_rolls_back_everything_on_error(store: StateStore) -> None:
     assert store.events() == []
 
 
+def test_standbys_are_listed_from_what_is_committed_and_staged(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "db")
+    store.insert_slot(slot("s1", "pool.web.aaaaaa"))
+    store.insert_slot(slot("s2", "web"))
+    store.insert_slot(slot("s3", "pool.web.bbbbbb"))
+    assert [s.id for s in store.list_slots(pooled=True)] == ["s1", "s3"]
+    with store.transaction():
+        store.rename_slot("s1", "claimed")  # a claim took it
+        store.insert_slot(slot("s4", "pool.web.cccccc"))
+        store.delete_slot("s3")
+        assert [s.id for s in store.list_slots(pooled=True)] == ["s4"]  # the transaction's own view
+    assert [s.id for s in store.list_slots(pooled=True)] == ["s4"]
+
+    def rolled_back() -> None:
+        with store.transaction():
+            store.insert_slot(slot("s5", "pool.web.dddddd"))
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        rolled_back()
+    assert [s.id for s in store.list_slots(pooled=True)] == ["s4"]
+    store.close()
+    reopened = StateStore(tmp_path / "db")
+    assert [s.id for s in reopened.list_slots(pooled=True)] == ["s4"]
+    assert [s.id for s in reopened.list_slots()] == ["s1", "s2", "s4"]
+    reopened.close()
+
+
 def test_events_are_ordered_and_filtered(store: StateStore) -> None:
     for n in range(5):
         store.add_event("k", f"m{n}", "s1" if n % 2 else None)

@@ -180,6 +180,45 @@ def test_sampler_on_cgroup_v1_and_a_slot_gone_meanwhile(tmp_path: Path) -> None:
     assert slot.usage == GroupUsage(None, None, None)  # e1 was released between listing and reading
 
 
+def test_sampler_reads_the_slots_again_only_when_their_class_moved(tmp_path: Path) -> None:
+    """While the best-effort class used no CPU and its memory did not move, each slot reads as it
+    did (nothing in it ran); the class's CPU time or memory moving, or another list of slots, reads
+    them again."""
+    cpuacct, memory = tmp_path / "cpuacct", tmp_path / "memory"
+    slot_cpu, slot_memory = (
+        cpuacct / PARENT / "best-effort/e1/cpuacct.usage",
+        memory / PARENT / "best-effort/e1/memory.usage_in_bytes",
+    )
+    class_cpu, class_memory = (
+        cpuacct / PARENT / "best-effort/cpuacct.usage",
+        memory / PARENT / "best-effort/memory.usage_in_bytes",
+    )
+    for path, value in ((slot_cpu, 10), (slot_memory, 4096), (class_cpu, 10), (class_memory, 4096)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{value}\n")
+    host = CgroupHost(mode="hybrid", v1_mounts={"cpuacct": cpuacct, "memory": memory}, can_write=True)
+    sampler = Sampler(host, Hierarchy(PARENT), allowed=F({0, 1}), core_of={}, proc_root=proc_tree(tmp_path))
+    slots = [SLOTS[2]]
+
+    def usage(now: float, listed: list[SlotInfo] = slots) -> GroupUsage:
+        (slot,) = sampler.sample(listed, now=now).best_effort
+        return slot.usage
+
+    assert usage(1.0) == GroupUsage(10, 4096, None)
+    slot_cpu.write_text("99\n")  # (a fake: only a class that ran lets a slot's own time move)
+    slot_memory.write_text("8192\n")
+    assert usage(2.0) == GroupUsage(10, 4096, None)  # the class did not move: not read
+    class_memory.write_text("8192\n")
+    assert usage(3.0) == GroupUsage(99, 8192, None)  # its memory moved: read
+    slot_cpu.write_text("150\n")
+    assert usage(4.0) == GroupUsage(99, 8192, None)
+    class_cpu.write_text("150\n")
+    assert usage(5.0) == GroupUsage(150, 8192, None)  # its CPU time moved: read
+    slot_memory.write_text("1024\n")
+    assert usage(6.0, list(slots)) == GroupUsage(150, 1024, None)  # another list of slots: read
+    assert sampler.sample(slots, now=7.0, read_slots=False).slots_read is False
+
+
 def test_sampler_counts_best_effort_cgroups_outside_the_agent_with_the_class(tmp_path: Path) -> None:
     """The kubelet's ``besteffort`` pods while NRI places them: their CPU time and memory are the
     class's too; one that does not exist (yet) adds nothing."""
