@@ -13,7 +13,9 @@ Series (all prefixed ``nodeagent_``):
 - ``slot_cpu_usage_seconds_total``, ``slot_cpu_throttled_periods_total``,
   ``slot_cpu_throttled_seconds_total``, ``slot_memory_bytes``, ``slot_memory_peak_bytes``,
   ``slot_oom_kills_total``, each ``{slot, name}``, from the ``stats_provider`` (figures the kernel
-  does not provide are left out rather than reported as zero);
+  does not provide are left out rather than reported as zero; a slot that used no CPU since the
+  previous scrape has only its CPU time and memory read, the figures that cannot have moved are
+  carried: ``CgroupStats.ran_since``);
 - ``worker_restarts_total{slot, name}``;
 - ``slot_foreign_cpu_seconds_total{slot, name}``, ``slot_foreign_irq_seconds_total{slot, name}`` and
   ``slot_foreign_cpu_fraction{slot, name}``: guaranteed slots' CPU time taken by anything else

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodeagent.errors import InvalidRequest
@@ -101,3 +102,12 @@ class CgroupStats:
         for readings more than a tick apart; each snapshot's own CPU time is read before the rest.
         """
         return cpu_usage_ns is None or cpu_usage_ns != self.cpu_usage_ns
+
+    def peak_after(self, memory_current: int | None, read_peak: Callable[[], int | None]) -> int | None:
+        """The peak of a group that has not run since this snapshot, given its memory in use now:
+        this snapshot's, unless the memory in use is above it (a charge made from outside the
+        group, as a shared page swapped back in): then read (``read_peak``)."""
+        peak = self.memory_peak
+        if memory_current is not None and (peak is None or memory_current > peak):
+            return read_peak()
+        return peak

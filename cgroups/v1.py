@@ -162,9 +162,7 @@ class V1Manager(CgroupManager):
         current = _int_file(files, "memory.usage_in_bytes")
         pids_current = _int_file(files, "pids.current") if pids else None
         if since is not None and not since.ran_since(usage):
-            peak = since.memory_peak
-            if current is not None and (peak is None or current > peak):
-                peak = _int_file(files, "memory.max_usage_in_bytes")
+            peak = since.peak_after(current, lambda: _int_file(files, "memory.max_usage_in_bytes"))
             return CgroupStats(
                 usage, since.cpu_periods, since.cpu_throttled_periods, since.cpu_throttled_ns,
                 current, peak, since.oom, pids_current,

@@ -163,9 +163,7 @@ class V2Manager(CgroupManager):
         current = _optional_int(directory, "memory.current")
         pids_current = _optional_int(directory, "pids.current") if pids else None
         if since is not None and not since.ran_since(usage):
-            peak = since.memory_peak
-            if current is not None and (peak is None or current > peak):
-                peak = _optional_int(directory, "memory.peak")
+            peak = since.peak_after(current, lambda: _optional_int(directory, "memory.peak"))
             oom = since.oom
         else:
             peak = _optional_int(directory, "memory.peak")
