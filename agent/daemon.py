@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -241,9 +242,18 @@ class SlotStats:
     The scrape hands over the slots it listed (``prepare``), so each slot's cgroup comes from that
     one listing instead of a database lookup per slot; a slot it did not list is looked up. The
     cgroup managers are kept from scrape to scrape (those of slots gone are dropped), so each
-    slot's directories are checked once, not at every scrape; so is each slot's last snapshot, so
-    that a slot that used no CPU since the last scrape has only its CPU time and memory in use
-    read (``CgroupManager.stats(since=...)``).
+    slot's directories are checked once, not at every scrape; so is each slot's last snapshot:
+
+    - a slot whose parent (its QoS class's cgroup) used no CPU and whose memory in use did not
+      move since the last scrape is shown as then, and none of its files is read: nothing under
+      the parent ran, and memory that moves without a task running (reclaim, a charge from
+      outside) moves the parent's figure too;
+    - otherwise a slot that used no CPU since has only its CPU time and memory in use read
+      (``CgroupManager.stats(since=...)``).
+
+    At 500 idle slots a scrape reads a handful of files instead of 2,500 (issue 23). Each parent
+    is read before its slots, so a slot that runs after its snapshot shows in the next reading
+    of its parent.
     """
 
     def __init__(self, manager: SlotManager) -> None:
@@ -251,11 +261,16 @@ class SlotStats:
         self._host = detect()
         self._cgroups: dict[str, str | None] = {}
         self._managers: dict[str, tuple[CgroupManager, CgroupStats | None]] = {}
+        self._parents: dict[str, _ParentFigures] = {}
+        self._quiet: dict[str, bool] = {}  # this scrape's verdict per parent
 
     def prepare(self, slots: Sequence[Slot]) -> None:
         self._cgroups = {slot.id: slot.cgroup for slot in slots}
         wanted = {cgroup for cgroup in self._cgroups.values() if cgroup is not None}
         self._managers = {cgroup: kept for cgroup, kept in self._managers.items() if cgroup in wanted}
+        parents = {cgroup.rpartition("/")[0] for cgroup in wanted}
+        self._parents = {parent: kept for parent, kept in self._parents.items() if parent in parents}
+        self._quiet = {}
 
     def __call__(self, slot_id: str) -> CgroupStats | None:
         if not self._host.can_write:
@@ -265,10 +280,43 @@ class SlotStats:
         if cgroup is None:
             return None
         kept = self._managers.get(cgroup)
+        quiet = self._parent_quiet(cgroup.rpartition("/")[0])
+        if kept is not None and kept[1] is not None and quiet:
+            return kept[1]
         manager, last = (open_manager(self._host, cgroup), None) if kept is None else kept
         stats = manager.stats(pids=False, since=last)  # /metrics shows no pid counts
         self._managers[cgroup] = (manager, stats)
         return stats
+
+    def _parent_quiet(self, parent: str) -> bool:
+        """Whether ``parent`` used no CPU and its memory in use did not move since the last scrape
+        (read once per scrape, before the first of its slots)."""
+        verdict = self._quiet.get(parent)
+        if verdict is not None:
+            return verdict
+        verdict = False
+        if parent:  # a slot directly under the root has no parent of its own to read
+            try:
+                figures = self._parents.get(parent)
+                if figures is None:
+                    group = open_manager(self._host, parent)
+                    figures = self._parents[parent] = _ParentFigures(group, group.counts_children_memory())
+                stats = figures.group.stats(pids=False)
+            except NodeAgentError as err:  # each slot is then read on its own
+                log.debug("metrics: parent cgroup %s unreadable: %s", parent, err)
+            else:
+                now = (stats.cpu_usage_ns, stats.memory_current)
+                verdict = figures.hierarchical and None not in now and now == figures.last
+                figures.last = now
+        self._quiet[parent] = verdict
+        return verdict
+
+
+@dataclass(slots=True)
+class _ParentFigures:
+    group: CgroupManager
+    hierarchical: bool  # its memory in use counts its children's
+    last: tuple[int | None, int | None] = (None, None)  # CPU time and memory in use, last scrape
 
 
 def _slot_stats(manager: SlotManager) -> Callable[[str], CgroupStats | None]:

@@ -119,6 +119,11 @@ class CgroupManager(ABC):
         ``since``, this group's previous snapshot: when the group used no CPU since, the figures
         that cannot have moved are taken from it instead of read (see CgroupStats.ran_since)."""
 
+    def counts_children_memory(self) -> bool:
+        """Whether the group's memory in use includes its children's (always on v2; on v1 where
+        ``memory.use_hierarchy`` is 1, which Linux 5.11 made the only setting)."""
+        return True
+
     @abstractmethod
     def oom_events(self) -> OomEvents: ...
 

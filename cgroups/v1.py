@@ -179,6 +179,11 @@ class V1Manager(CgroupManager):
             pids_current=pids_current,
         )
 
+    def counts_children_memory(self) -> bool:
+        if not self._has_file("memory", "memory.use_hierarchy"):
+            return False
+        return self._read("memory", "memory.use_hierarchy").strip() == "1"
+
     def _dirs(self, controllers: Iterable[str]) -> dict[str, fs.CgroupDir]:
         by_mount: dict[Path, fs.CgroupDir] = {}
         for controller in controllers:

@@ -5,8 +5,11 @@ families the agent writes itself are the text prometheus-client would have writt
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 from collections.abc import Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +21,7 @@ from prometheus_client.registry import Collector
 from nodeagent.agent.daemon import SlotStats
 from nodeagent.agent.metrics import Metrics, SlotFamily, SlotLabels
 from nodeagent.agent.slot import Slot, SlotState
+from nodeagent.cgroups import detect, open_manager
 from nodeagent.cgroups.resources import CgroupStats, OomEvents
 from nodeagent.schema.request import parse_slot_request
 from tests.agent.fake_service import FakeSlotService
@@ -81,6 +85,45 @@ def test_slot_stats_takes_each_slots_cgroup_from_the_scrapes_listing_and_looks_u
     assert manager.lookups == []
     assert stats(unlisted.id) is None
     assert manager.lookups == [unlisted.id]
+
+
+@pytest.mark.root
+def test_slot_stats_carry_the_slots_of_a_parent_that_did_not_move() -> None:
+    """Scrape after scrape, a slot under a parent that used no CPU and whose memory did not move is
+    shown as before without a read; once a task ran under it, its slots are read again."""
+    host = detect()
+    parent_path = f"natest{os.getpid()}-scrape"
+    parent, slot_group = open_manager(host, parent_path), open_manager(host, f"{parent_path}/a")
+    parent.create()
+    slot_group.create()
+    try:
+        listed = [cast(Slot, SimpleNamespace(id="a", cgroup=f"{parent_path}/a"))]
+        stats = SlotStats(CountingManager({}))  # type: ignore[arg-type]
+        stats.prepare(listed)
+        first = stats("a")
+        assert first is not None
+        stats.prepare(listed)
+        assert stats("a") is first  # carried: nothing under the parent ran
+        worker = subprocess.Popen(
+            ["sh", "-c", "read go; i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"], stdin=subprocess.PIPE
+        )
+        try:
+            slot_group.add_pid(worker.pid)
+            assert worker.stdin is not None
+            worker.stdin.close()  # go: it runs inside the slot's group
+            assert worker.wait(timeout=30) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        stats.prepare(listed)
+        ran = stats("a")
+        assert ran is not None
+        assert ran is not first
+        assert (ran.cpu_usage_ns or 0) > (first.cpu_usage_ns or 0)
+    finally:
+        slot_group.delete()
+        parent.delete()
 
 
 # --------------------------------------------------------------------------- per-slot families as text
