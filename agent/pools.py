@@ -149,7 +149,7 @@ class Pools:
     def start(self) -> None:
         """Load the pools and keep them filled from a thread of their own."""
         self.load()
-        self._manager.subscribe(self._wake.set)
+        self._manager.subscribe(self._on_change)
         self._thread = threading.Thread(target=self._run, name="nodeagent-pools", daemon=True)
         self._thread.start()
 
@@ -158,6 +158,13 @@ class Pools:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def _on_change(self) -> None:
+        """A slot changed: tend now, where there is a pool to tend. With none, the wake would only
+        hand the interpreter to this thread three times per allocate and release, for a round that
+        finds nothing to do (what a standby of a pool gone leaves, the periodic round drops)."""
+        if self._pools or self._reserving:
+            self._wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
