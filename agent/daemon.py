@@ -29,7 +29,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from nodeagent.agent.ballast import Ballast
 from nodeagent.agent.config import AgentConfig
@@ -688,7 +689,11 @@ def without_pydantic_v1() -> bool:
     ``sys.modules`` makes that import fail, which FastAPI answers as it does where pydantic has no
     v1 ("not a v1 model"). Only the daemon's own process does this, before anything imports it;
     where something has already (a test process), it stays. False then."""
-    return sys.modules.setdefault("pydantic.v1", None) is None
+    if "pydantic.v1" in sys.modules:
+        return False
+    # The import system's own way to refuse a module: a None entry raises ModuleNotFoundError.
+    cast("dict[str, ModuleType | None]", sys.modules)["pydantic.v1"] = None
+    return True
 
 
 def raise_nofile_limit() -> None:
