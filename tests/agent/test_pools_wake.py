@@ -59,15 +59,28 @@ class CountingManager:
         pass
 
 
-def rounds_after(manager: CountingManager, notices: int) -> int:
+def rounds(manager: CountingManager) -> int:
     with manager.lock:
-        before = manager.rounds
+        return manager.rounds
+
+
+def rounds_after(manager: CountingManager, notices: int, *, expect: bool) -> int:
+    """Rounds the pools ran after ``notices`` change notices: waited for up to 10 s where one is
+    expected (a loaded machine may be slow to run the thread), 0.2 s where none is."""
+    before = rounds(manager)
     for _ in range(notices):
         manager.notify()
         time.sleep(0.01)
-    time.sleep(0.2)
-    with manager.lock:
-        return manager.rounds - before
+    deadline = time.monotonic() + (10 if expect else 0.2)
+    while time.monotonic() < deadline and not (expect and rounds(manager) > before):
+        time.sleep(0.01)
+    return rounds(manager) - before
+
+
+def wait_rounds(manager: CountingManager, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while rounds(manager) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_change_wakes_the_pools_only_where_there_is_a_pool(tmp_path: Path) -> None:
@@ -76,14 +89,12 @@ def test_a_change_wakes_the_pools_only_where_there_is_a_pool(tmp_path: Path) -> 
     pools = Pools(manager, store, period_seconds=3600)  # type: ignore[arg-type]
     pools.start()
     try:
-        deadline = time.monotonic() + 10
-        while manager.rounds < 1 and time.monotonic() < deadline:  # the first round, at start
-            time.sleep(0.01)
-        assert manager.rounds == 1
-        assert rounds_after(manager, 10) == 0  # no pool: nothing to tend, no round
+        wait_rounds(manager, 1)  # the first round, at start
+        assert rounds(manager) == 1
+        assert rounds_after(manager, 10, expect=False) == 0  # no pool: nothing to tend, no round
         pools.create(parse_pool_spec(SPEC))
-        time.sleep(0.2)  # the round the creation asks for
-        assert rounds_after(manager, 5) >= 1  # a pool: a change may free room for its standby
+        wait_rounds(manager, 2)  # the round the creation asks for
+        assert rounds_after(manager, 5, expect=True) >= 1  # a pool: a change may free room for its standby
     finally:
         pools.close()
         store.close()
