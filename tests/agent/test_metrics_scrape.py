@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -99,11 +100,22 @@ def test_slot_stats_carry_the_slots_of_a_parent_that_did_not_move() -> None:
     try:
         listed = [cast(Slot, SimpleNamespace(id="a", cgroup=f"{parent_path}/a"))]
         stats = SlotStats(CountingManager({}))  # type: ignore[arg-type]
-        stats.prepare(listed)
-        first = stats("a")
+        # A group just made: its memory in use (v1's memory.usage_in_bytes) can still move with
+        # nothing running in it (the charges of its creation settling: 256 KiB -> 12 KiB, seen in
+        # 2 of 300 fresh groups), and a parent whose memory moved is read again, rightly. Scrape
+        # until two in a row agree: from then on nothing moves while nothing runs.
+        first, carried = None, False
+        for _ in range(50):
+            stats.prepare(listed)
+            now = stats("a")
+            assert now is not None
+            carried = now is first  # carried: nothing under the parent ran
+            if carried:
+                break
+            first = now
+            time.sleep(0.02)
+        assert carried
         assert first is not None
-        stats.prepare(listed)
-        assert stats("a") is first  # carried: nothing under the parent ran
         worker = subprocess.Popen(
             ["sh", "-c", "read go; i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"], stdin=subprocess.PIPE
         )
